@@ -1,0 +1,63 @@
+// ModelSpec: a model's identity and KV geometry. Two specs are the same model exactly when they
+// are equal field by field, and then (and only then, up to XXH3-128 collisions) their
+// fingerprints are equal. The fingerprint keys every cache entry, so any change of weights,
+// LoRA or revision must show up in `version`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kvbridge/dtype.h"
+
+namespace kvbridge {
+
+/// How a model lays out rotary pairs inside a head.
+enum class RopeStyle : uint8_t {
+  kHalf = 0,         ///< Hugging Face Llama/Qwen `rotate_half`: pair (i, i + head_dim/2).
+  kInterleaved = 1,  ///< GPT-J / original RoPE: pairs (0,1), (2,3), ...
+};
+
+/// RoPE frequency scaling as found in Hugging Face configs (`rope_scaling`).
+struct RopeScaling {
+  enum class Type : uint8_t { kNone = 0, kLinear = 1, kLlama3 = 2 };
+  Type type = Type::kNone;
+  double factor = 1.0;                       ///< linear and llama3
+  double low_freq_factor = 1.0;              ///< llama3 only
+  double high_freq_factor = 4.0;             ///< llama3 only
+  int64_t original_max_position = 8192;      ///< llama3 only
+
+  bool operator==(const RopeScaling& other) const noexcept;
+  bool operator!=(const RopeScaling& other) const noexcept { return !(*this == other); }
+};
+
+struct ModelSpec {
+  std::string name;            ///< human-readable model id, e.g. "meta-llama/Llama-3.1-8B"
+  std::string version;         ///< weights revision / LoRA id; part of the identity
+  std::string tokenizer;       ///< tokenizer id; cross-model reuse requires equal tokenizers
+  int64_t num_layers = 0;      ///< > 0
+  int64_t num_kv_heads = 0;    ///< > 0
+  int64_t head_dim = 0;        ///< > 0, even (RoPE rotates pairs)
+  DType dtype = DType::kFloat32;  ///< dtype of the model's KV cache
+  double rope_base = 10000.0;  ///< > 0
+  RopeStyle rope_style = RopeStyle::kHalf;
+  RopeScaling rope_scaling{};
+
+  /// Throws InvalidArgument naming the first bad field.
+  void validate() const;
+
+  /// 32 lowercase hex digits: XXH3-128 over a length-prefixed encoding of every field
+  /// (see docs/hashing.md). Stable across processes, platforms and library builds.
+  std::string fingerprint() const;
+
+  /// Bytes of K plus V for one token across all layers.
+  int64_t kv_bytes_per_token() const noexcept;
+
+  bool operator==(const ModelSpec& other) const noexcept;
+  bool operator!=(const ModelSpec& other) const noexcept { return !(*this == other); }
+};
+
+const char* rope_style_name(RopeStyle style) noexcept;
+/// "half" or "interleaved"; throws InvalidArgument otherwise.
+RopeStyle parse_rope_style(const std::string& name);
+
+}  // namespace kvbridge

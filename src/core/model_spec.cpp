@@ -1,0 +1,113 @@
+#include "kvbridge/model_spec.h"
+
+#include <cmath>
+#include <cstdio>
+
+#include "kvbridge/error.h"
+#include "kvbridge/prefix_hash.h"
+#include "src/core/xxh3.h"
+
+namespace kvbridge {
+namespace {
+
+const char* scaling_type_name(RopeScaling::Type type) {
+  switch (type) {
+    case RopeScaling::Type::kNone:
+      return "none";
+    case RopeScaling::Type::kLinear:
+      return "linear";
+    case RopeScaling::Type::kLlama3:
+      return "llama3";
+  }
+  return "unknown";
+}
+
+std::string format_double(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
+}
+
+// Length-prefixed key/value pairs: nothing a field holds can make two specs encode alike.
+void append_field(std::string& out, const std::string& key, const std::string& value) {
+  auto append_u32 = [&out](uint32_t n) {
+    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  };
+  append_u32(static_cast<uint32_t>(key.size()));
+  out += key;
+  append_u32(static_cast<uint32_t>(value.size()));
+  out += value;
+}
+
+}  // namespace
+
+bool RopeScaling::operator==(const RopeScaling& o) const noexcept {
+  return type == o.type && factor == o.factor && low_freq_factor == o.low_freq_factor &&
+         high_freq_factor == o.high_freq_factor && original_max_position == o.original_max_position;
+}
+
+const char* rope_style_name(RopeStyle style) noexcept {
+  return style == RopeStyle::kHalf ? "half" : "interleaved";
+}
+
+RopeStyle parse_rope_style(const std::string& name) {
+  if (name == "half") return RopeStyle::kHalf;
+  if (name == "interleaved") return RopeStyle::kInterleaved;
+  KVB_CHECK(false, "rope_style: expected 'half' or 'interleaved', got '" << name << "'");
+  return RopeStyle::kHalf;
+}
+
+void ModelSpec::validate() const {
+  KVB_CHECK(!name.empty(), "ModelSpec.name must not be empty");
+  KVB_CHECK(num_layers > 0, "ModelSpec.num_layers must be > 0, got " << num_layers);
+  KVB_CHECK(num_kv_heads > 0, "ModelSpec.num_kv_heads must be > 0, got " << num_kv_heads);
+  KVB_CHECK(head_dim > 0 && head_dim % 2 == 0,
+            "ModelSpec.head_dim must be a positive even number, got " << head_dim);
+  KVB_CHECK(std::isfinite(rope_base) && rope_base > 0,
+            "ModelSpec.rope_base must be finite and > 0, got " << rope_base);
+  const RopeScaling& s = rope_scaling;
+  KVB_CHECK(std::isfinite(s.factor) && s.factor > 0,
+            "ModelSpec.rope_scaling.factor must be finite and > 0, got " << s.factor);
+  if (s.type == RopeScaling::Type::kLlama3) {
+    KVB_CHECK(s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor,
+              "ModelSpec.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+                  << s.low_freq_factor << ", " << s.high_freq_factor);
+    KVB_CHECK(s.original_max_position > 0,
+              "ModelSpec.rope_scaling.original_max_position must be > 0, got "
+                  << s.original_max_position);
+  }
+}
+
+std::string ModelSpec::fingerprint() const {
+  std::string enc = "kvbridge.ModelSpec.v1";
+  append_field(enc, "name", name);
+  append_field(enc, "version", version);
+  append_field(enc, "tokenizer", tokenizer);
+  append_field(enc, "num_layers", std::to_string(num_layers));
+  append_field(enc, "num_kv_heads", std::to_string(num_kv_heads));
+  append_field(enc, "head_dim", std::to_string(head_dim));
+  append_field(enc, "dtype", dtype_name(dtype));
+  append_field(enc, "rope_base", format_double(rope_base));
+  append_field(enc, "rope_style", rope_style_name(rope_style));
+  append_field(enc, "rope_scaling.type", scaling_type_name(rope_scaling.type));
+  append_field(enc, "rope_scaling.factor", format_double(rope_scaling.factor));
+  append_field(enc, "rope_scaling.low_freq_factor", format_double(rope_scaling.low_freq_factor));
+  append_field(enc, "rope_scaling.high_freq_factor",
+               format_double(rope_scaling.high_freq_factor));
+  append_field(enc, "rope_scaling.original_max_position",
+               std::to_string(rope_scaling.original_max_position));
+  return detail::xxh3_128(enc.data(), enc.size()).hex();
+}
+
+int64_t ModelSpec::kv_bytes_per_token() const noexcept {
+  return 2 * num_layers * num_kv_heads * head_dim * static_cast<int64_t>(dtype_size(dtype));
+}
+
+bool ModelSpec::operator==(const ModelSpec& o) const noexcept {
+  return name == o.name && version == o.version && tokenizer == o.tokenizer &&
+         num_layers == o.num_layers && num_kv_heads == o.num_kv_heads && head_dim == o.head_dim &&
+         dtype == o.dtype && rope_base == o.rope_base && rope_style == o.rope_style &&
+         rope_scaling == o.rope_scaling;
+}
+
+}  // namespace kvbridge

@@ -1,0 +1,91 @@
+#include "kvbridge/prefix_hash.h"
+
+#include <cstring>
+
+#include "kvbridge/error.h"
+#include "src/core/xxh3.h"
+
+namespace kvbridge {
+namespace {
+
+void put_u32le(unsigned char* out, uint32_t v) {
+  out[0] = static_cast<unsigned char>(v);
+  out[1] = static_cast<unsigned char>(v >> 8);
+  out[2] = static_cast<unsigned char>(v >> 16);
+  out[3] = static_cast<unsigned char>(v >> 24);
+}
+
+void put_u64le(unsigned char* out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+void append_prefixed(std::string& out, std::string_view s) {
+  unsigned char len[4];
+  put_u32le(len, static_cast<uint32_t>(s.size()));
+  out.append(reinterpret_cast<const char*>(len), 4);
+  out.append(s.data(), s.size());
+}
+
+constexpr int64_t kMaxToken = int64_t{1} << 32;
+
+}  // namespace
+
+std::string Hash128::hex() const {
+  static const char* digits = "0123456789abcdef";
+  std::string s(32, '0');
+  for (int i = 0; i < 16; ++i) {
+    s[15 - i] = digits[(high >> (4 * i)) & 0xf];
+    s[31 - i] = digits[(low >> (4 * i)) & 0xf];
+  }
+  return s;
+}
+
+void check_tokens(TokenSpan tokens) {
+  KVB_CHECK(tokens.size > 0, "tokens must not be empty");
+  KVB_CHECK(tokens.data != nullptr, "tokens: null data pointer");
+  for (size_t i = 0; i < tokens.size; ++i) {
+    const int64_t t = tokens.data[i];
+    KVB_CHECK(t >= 0 && t < kMaxToken,
+              "tokens[" << i << "] = " << t << " is outside the token id range [0, 2^32)");
+  }
+}
+
+Hash128 prefix_salt(std::string_view ns, const ModelSpec& spec) {
+  std::string salt = "kvbridge.prefix.v1";
+  append_prefixed(salt, ns);
+  append_prefixed(salt, spec.fingerprint());
+  append_prefixed(salt, dtype_name(spec.dtype));
+  return detail::xxh3_128(salt.data(), salt.size());
+}
+
+Hash128 chain_hash(const Hash128& previous, const int64_t* chunk, int64_t count) {
+  // Stack buffer for the common chunk sizes; the hash input is small and built once.
+  constexpr int64_t kStackTokens = 1024;
+  unsigned char stack_buf[16 + 4 * kStackTokens];
+  std::string heap_buf;
+  unsigned char* buf = stack_buf;
+  if (count > kStackTokens) {
+    heap_buf.resize(static_cast<size_t>(16 + 4 * count));
+    buf = reinterpret_cast<unsigned char*>(heap_buf.data());
+  }
+  put_u64le(buf, previous.low);
+  put_u64le(buf + 8, previous.high);
+  for (int64_t i = 0; i < count; ++i) put_u32le(buf + 16 + 4 * i, static_cast<uint32_t>(chunk[i]));
+  return detail::xxh3_128(buf, static_cast<size_t>(16 + 4 * count));
+}
+
+std::vector<Hash128> prefix_hashes(const Hash128& salt, TokenSpan tokens, int64_t chunk_tokens) {
+  KVB_CHECK(chunk_tokens > 0, "chunk_tokens must be > 0, got " << chunk_tokens);
+  check_tokens(tokens);
+  const int64_t chunks = static_cast<int64_t>(tokens.size) / chunk_tokens;
+  std::vector<Hash128> out;
+  out.reserve(static_cast<size_t>(chunks));
+  Hash128 h = salt;
+  for (int64_t c = 0; c < chunks; ++c) {
+    h = chain_hash(h, tokens.data + c * chunk_tokens, chunk_tokens);
+    out.push_back(h);
+  }
+  return out;
+}
+
+}  // namespace kvbridge

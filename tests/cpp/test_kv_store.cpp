@@ -1,0 +1,234 @@
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace kvbridge {
+namespace {
+
+using testing::DenseKV;
+using testing::HFKV;
+using testing::same_elements;
+
+constexpr int64_t kChunk = 16;
+
+StoreOptions options(int64_t capacity, int shards = 4) {
+  StoreOptions o;
+  o.capacity_bytes = capacity;
+  o.chunk_tokens = kChunk;
+  o.num_shards = shards;
+  return o;
+}
+
+int64_t entry_bytes(const ModelSpec& spec) {
+  return spec.kv_bytes_per_token() * kChunk + 4 * kChunk + StoreStats::kEntryOverheadBytes;
+}
+
+TEST(KVStore, PutThenMatchReturnsTheBytes) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const ModelSpec spec = testing::small_spec(dtype, 3, 5, 14);
+    KVStore store(options(1 << 24));
+    const auto tokens = testing::random_tokens(3 * kChunk + 7, 2);
+    HFKV kv(spec, static_cast<int64_t>(tokens.size()), 3, 9);  // strided input
+    EXPECT_EQ(store.put(spec, tokens, kv.view()), 3 * kChunk);
+
+    Match m = store.match(spec, tokens);
+    ASSERT_EQ(m.tokens(), 3 * kChunk);
+    HFKV out(spec, m.tokens(), 1, 99);
+    m.copy_to(out.view());
+    EXPECT_TRUE(same_elements(out.view(), kv.view().slice_tokens(0, 3 * kChunk)));
+
+    // A longer query with the same prefix matches the cached part; a partial range copies right.
+    auto longer = tokens;
+    longer.insert(longer.end(), 40, 5);
+    EXPECT_EQ(store.match(spec, longer).tokens(), 3 * kChunk);
+    DenseKV mid(spec, 21, 4);
+    m.copy_range_to(13, mid.view);
+    EXPECT_TRUE(same_elements(mid.view, kv.view().slice_tokens(13, 21)));
+  }
+}
+
+TEST(KVStore, PrefixDivergenceStopsTheMatch) {
+  const ModelSpec spec = testing::small_spec();
+  KVStore store(options(1 << 22));
+  auto tokens = testing::random_tokens(4 * kChunk, 3);
+  DenseKV kv(spec, 4 * kChunk, 1);
+  store.put(spec, tokens, kv.view);
+  tokens[2 * kChunk + 5] += 1;
+  EXPECT_EQ(store.match(spec, tokens).tokens(), 2 * kChunk);
+  tokens[0] += 1;
+  Match miss = store.match(spec, tokens);
+  EXPECT_EQ(miss.tokens(), 0);
+  EXPECT_FALSE(miss);
+  const StoreStats st = store.stats();
+  EXPECT_EQ(st.matches, 2);
+  EXPECT_EQ(st.hits, 1);
+  EXPECT_EQ(st.misses, 1);
+}
+
+TEST(KVStore, NamespacesAndModelsNeverShare) {
+  const ModelSpec spec = testing::small_spec();
+  KVStore store(options(1 << 22));
+  const auto tokens = testing::random_tokens(2 * kChunk, 4);
+  DenseKV kv(spec, 2 * kChunk, 2);
+  store.put(spec, tokens, kv.view, "tenant-a");
+  EXPECT_EQ(store.match(spec, tokens, "tenant-a").tokens(), 2 * kChunk);
+  EXPECT_EQ(store.match(spec, tokens, "tenant-b").tokens(), 0);
+  EXPECT_EQ(store.match(spec, tokens).tokens(), 0);
+  ModelSpec lora = spec;
+  lora.version = "lora-7";
+  EXPECT_EQ(store.match(lora, tokens, "tenant-a").tokens(), 0);
+}
+
+TEST(KVStore, PartialChunkIsNeverStored) {
+  const ModelSpec spec = testing::small_spec();
+  KVStore store(options(1 << 22));
+  const auto tokens = testing::random_tokens(kChunk - 1, 4);
+  DenseKV kv(spec, kChunk - 1, 2);
+  EXPECT_EQ(store.put(spec, tokens, kv.view), 0);
+  EXPECT_EQ(store.stats().entries, 0);
+  EXPECT_EQ(store.match(spec, tokens).tokens(), 0);
+}
+
+TEST(KVStore, BudgetNeverExceededUnderTenTimesCapacity) {
+  const ModelSpec spec = testing::small_spec(DType::kBFloat16, 4, 2, 8);
+  const int64_t capacity = 10 * entry_bytes(spec) + 17;
+  KVStore store(options(capacity));
+  int64_t offered = 0;
+  for (uint64_t i = 0; offered < 10 * capacity; ++i) {
+    const auto tokens = testing::random_tokens(3 * kChunk, 100 + i);
+    DenseKV kv(spec, 3 * kChunk, i);
+    store.put(spec, tokens, kv.view);
+    offered += kv.view.bytes();
+    ASSERT_LE(store.stats().bytes_used, capacity);
+  }
+  const StoreStats st = store.stats();
+  EXPECT_LE(st.peak_bytes, capacity);
+  EXPECT_GT(st.peak_bytes, capacity - entry_bytes(spec));  // the budget was actually used
+  EXPECT_GT(st.evictions, 0);
+  EXPECT_EQ(st.bytes_used, st.entries * entry_bytes(spec));
+}
+
+TEST(KVStore, EvictsLeastRecentlyUsed) {
+  const ModelSpec spec = testing::small_spec();
+  KVStore store(options(3 * entry_bytes(spec), /*shards=*/1));
+  std::vector<std::vector<int64_t>> prompts;
+  for (int i = 0; i < 4; ++i) prompts.push_back(testing::random_tokens(kChunk, 10 + i));
+  DenseKV kv(spec, kChunk, 1);
+  for (int i = 0; i < 3; ++i) store.put(spec, prompts[i], kv.view);
+  EXPECT_EQ(store.match(spec, prompts[0]).tokens(), kChunk);  // 0 becomes most recent
+  store.put(spec, prompts[3], kv.view);                          // evicts 1
+  EXPECT_EQ(store.match(spec, prompts[1]).tokens(), 0);
+  EXPECT_EQ(store.match(spec, prompts[0]).tokens(), kChunk);
+  EXPECT_EQ(store.match(spec, prompts[2]).tokens(), kChunk);
+  EXPECT_EQ(store.match(spec, prompts[3]).tokens(), kChunk);
+  EXPECT_EQ(store.stats().evictions, 1);
+}
+
+TEST(KVStore, PinnedEntriesAreNotEvicted) {
+  const ModelSpec spec = testing::small_spec();
+  KVStore store(options(2 * entry_bytes(spec), 1));
+  const auto a = testing::random_tokens(kChunk, 1), b = testing::random_tokens(kChunk, 2),
+             c = testing::random_tokens(kChunk, 3);
+  DenseKV kv_a(spec, kChunk, 1), kv(spec, kChunk, 2);
+  store.put(spec, a, kv_a.view);
+  Match held = store.match(spec, a);  // pins a
+  store.put(spec, b, kv.view);
+  store.put(spec, c, kv.view);  // must evict b, not the older but pinned a
+  EXPECT_EQ(store.match(spec, b).tokens(), 0);
+  DenseKV out(spec, kChunk, 5);
+  held.copy_to(out.view);
+  EXPECT_TRUE(same_elements(out.view, kv_a.view));
+
+  // Everything pinned: a put finds no room and reports it.
+  Match held_c = store.match(spec, c);
+  EXPECT_EQ(store.put(spec, b, kv.view), 0);
+  EXPECT_EQ(store.stats().chunks_rejected, 1);
+  EXPECT_LE(store.stats().peak_bytes, 2 * entry_bytes(spec));
+}
+
+TEST(KVStore, ErasedWhilePinnedStaysAccountedUntilReleased) {
+  const ModelSpec spec = testing::small_spec();
+  KVStore store(options(1 << 20));
+  const auto a = testing::random_tokens(2 * kChunk, 1);
+  DenseKV kv(spec, 2 * kChunk, 1);
+  store.put(spec, a, kv.view);
+  {
+    Match held = store.match(spec, a);
+    EXPECT_EQ(store.erase(spec, a), 2);
+    EXPECT_EQ(store.match(spec, a).tokens(), 0);
+    EXPECT_EQ(store.stats().bytes_used, 2 * entry_bytes(spec));
+    DenseKV out(spec, 2 * kChunk, 5);
+    held.copy_to(out.view);
+    EXPECT_TRUE(same_elements(out.view, kv.view));
+  }
+  EXPECT_EQ(store.stats().bytes_used, 0);
+  store.put(spec, a, kv.view);
+  store.clear();
+  EXPECT_EQ(store.stats().entries, 0);
+  EXPECT_EQ(store.stats().bytes_used, 0);
+}
+
+TEST(KVStore, MatchOutlivesStore) {
+  const ModelSpec spec = testing::small_spec();
+  const auto a = testing::random_tokens(kChunk, 1);
+  DenseKV kv(spec, kChunk, 1);
+  Match held;
+  {
+    KVStore store(options(1 << 20));
+    store.put(spec, a, kv.view);
+    held = store.match(spec, a);
+  }
+  DenseKV out(spec, kChunk, 5);
+  held.copy_to(out.view);
+  EXPECT_TRUE(same_elements(out.view, kv.view));
+}
+
+TEST(KVStore, BadInputIsInvalidArgument) {
+  const ModelSpec spec = testing::small_spec();
+  KVStore store(options(1 << 20));
+  const auto tokens = testing::random_tokens(kChunk, 1);
+  DenseKV kv(spec, kChunk, 1);
+  auto expect_arg = [](auto&& fn, const char* needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no exception, expected one mentioning " << needle;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_arg([&] { store.put(spec, std::vector<int64_t>{}, kv.view); }, "tokens");
+  auto neg = tokens;
+  neg[4] = -1;
+  expect_arg([&] { store.put(spec, neg, kv.view); }, "tokens[4]");
+  expect_arg([&] { store.match(spec, neg); }, "tokens[4]");
+  const auto shorter = testing::random_tokens(kChunk - 2, 1);
+  expect_arg([&] { store.put(spec, shorter, kv.view); }, "tokens");
+  ModelSpec wrong = spec;
+  wrong.num_layers = 4;
+  expect_arg([&] { store.put(wrong, tokens, kv.view); }, "layers");
+  wrong = spec;
+  wrong.dtype = DType::kFloat16;
+  expect_arg([&] { store.put(wrong, tokens, kv.view); }, "dtype");
+  wrong = spec;
+  wrong.head_dim = 0;
+  expect_arg([&] { store.match(wrong, tokens); }, "head_dim");
+  KVView cuda = kv.view;
+  cuda = KVView::contiguous(kv.bytes.data(), spec.dtype, Device{DeviceType::kCUDA, 0},
+                            spec.num_layers, kChunk, spec.num_kv_heads, spec.head_dim);
+  expect_arg([&] { store.put(spec, tokens, cuda); }, "CPU");
+  expect_arg([] { KVStore s(options(0)); }, "capacity_bytes");
+  StoreOptions o = options(100);
+  o.chunk_tokens = 0;
+  expect_arg([&] { KVStore s(o); }, "chunk_tokens");
+  Match m = store.match(spec, tokens);
+  EXPECT_EQ(m.tokens(), 0);
+  store.put(spec, tokens, kv.view);
+  m = store.match(spec, tokens);
+  DenseKV wrong_out(testing::small_spec(DType::kFloat32, 3, 2, 8), kChunk, 1);
+  expect_arg([&] { m.copy_to(wrong_out.view); }, "geometry");
+  DenseKV short_out(spec, kChunk - 1, 1);
+  expect_arg([&] { m.copy_to(short_out.view); }, "tokens");
+}
+
+}  // namespace
+}  // namespace kvbridge

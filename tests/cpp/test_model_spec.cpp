@@ -1,0 +1,86 @@
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "test_util.h"
+
+namespace kvbridge {
+namespace {
+
+TEST(ModelSpec, FingerprintCoversEveryField) {
+  const ModelSpec base = testing::small_spec();
+  std::vector<ModelSpec> variants(11, base);
+  variants[0].name = "other";
+  variants[1].version = "rev2";
+  variants[2].tokenizer = "tok";
+  variants[3].num_layers += 1;
+  variants[4].num_kv_heads += 1;
+  variants[5].head_dim += 2;
+  variants[6].dtype = DType::kBFloat16;
+  variants[7].rope_base = 500000.0;
+  variants[8].rope_style = RopeStyle::kInterleaved;
+  variants[9].rope_scaling.type = RopeScaling::Type::kLinear;
+  variants[10].rope_scaling.factor = 2.0;
+  std::set<std::string> seen{base.fingerprint()};
+  for (const ModelSpec& v : variants) {
+    EXPECT_NE(v, base);
+    EXPECT_TRUE(seen.insert(v.fingerprint()).second) << v.fingerprint();
+  }
+  ModelSpec copy = base;
+  EXPECT_EQ(copy, base);
+  EXPECT_EQ(copy.fingerprint(), base.fingerprint());
+  EXPECT_EQ(base.fingerprint().size(), 32u);
+}
+
+TEST(ModelSpec, FieldBoundariesCannotAlias) {
+  ModelSpec a = testing::small_spec(), b = testing::small_spec();
+  a.name = "ab";
+  a.version = "c";
+  b.name = "a";
+  b.version = "bc";
+  EXPECT_NE(a.fingerprint(), b.fingerprint());
+}
+
+TEST(ModelSpec, ValidateNamesTheField) {
+  ModelSpec s = testing::small_spec();
+  s.head_dim = 7;
+  try {
+    s.validate();
+    FAIL() << "odd head_dim accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos) << e.what();
+  }
+  s = testing::small_spec();
+  s.num_layers = 0;
+  EXPECT_THROW(s.validate(), InvalidArgument);
+  s = testing::small_spec();
+  s.rope_base = -1;
+  EXPECT_THROW(s.validate(), InvalidArgument);
+  s = testing::small_spec();
+  s.name.clear();
+  EXPECT_THROW(s.validate(), InvalidArgument);
+  EXPECT_NO_THROW(testing::small_spec().validate());
+}
+
+TEST(DType, ParseAndNames) {
+  EXPECT_EQ(parse_dtype("torch.bfloat16"), DType::kBFloat16);
+  EXPECT_EQ(parse_dtype("float16"), DType::kFloat16);
+  EXPECT_STREQ(dtype_name(parse_dtype("float32")), "float32");
+  EXPECT_THROW(parse_dtype("int8"), InvalidArgument);
+  EXPECT_THROW(parse_rope_style("full"), InvalidArgument);
+  EXPECT_EQ(parse_rope_style("interleaved"), RopeStyle::kInterleaved);
+}
+
+TEST(Error, CarriesLocation) {
+  try {
+    KVB_CHECK_AS(Corrupt, 1 == 2, "value " << 42);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.message(), "value 42");
+    EXPECT_NE(std::string(e.what()).find("test_model_spec.cpp:"), std::string::npos);
+    EXPECT_GT(e.line(), 0);
+  }
+}
+
+}  // namespace
+}  // namespace kvbridge

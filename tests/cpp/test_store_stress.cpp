@@ -1,0 +1,77 @@
+// 8 threads, 100k mixed put / match / erase operations against a store small enough to evict all
+// the time. KV content is a function of the prompt, so every hit can be checked byte for byte.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "test_util.h"
+
+namespace kvbridge {
+namespace {
+
+constexpr int64_t kChunk = 8;
+constexpr int kPrompts = 64;
+
+TEST(KVStoreStress, EightThreadsEveryHitExact) {
+  const ModelSpec spec = testing::small_spec(DType::kBFloat16, 2, 2, 8);
+  StoreOptions o;
+  o.chunk_tokens = kChunk;
+  o.num_shards = 8;
+  const int64_t entry = spec.kv_bytes_per_token() * kChunk + 4 * kChunk + StoreStats::kEntryOverheadBytes;
+  o.capacity_bytes = 40 * entry;  // about a quarter of the working set
+  KVStore store(o);
+
+  // Prompts share prefixes in a tree so that matches stop at many depths.
+  std::vector<std::vector<int64_t>> prompts(kPrompts);
+  std::vector<std::unique_ptr<testing::DenseKV>> kvs;
+  for (int p = 0; p < kPrompts; ++p) {
+    prompts[p] = testing::random_tokens(kChunk * (1 + p % 5), 1000 + p);
+    if (p >= 8) std::copy_n(prompts[p % 8].begin(), std::min(prompts[p].size(), prompts[p % 8].size()) / 2, prompts[p].begin());
+    kvs.push_back(std::make_unique<testing::DenseKV>(spec, static_cast<int64_t>(prompts[p].size()), 0));
+    // Bytes depend only on the token ids at each position, so shared prefixes agree.
+    auto& bytes = kvs.back()->bytes;
+    const int64_t per_token = spec.kv_bytes_per_token() / (2 * spec.num_layers);
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      const int64_t pos = (static_cast<int64_t>(i) / per_token) % static_cast<int64_t>(prompts[p].size());
+      bytes[i] = static_cast<unsigned char>(prompts[p][pos] * 31 + i % per_token + (i / (per_token * prompts[p].size())) * 7 + 1);
+    }
+  }
+
+  std::atomic<int64_t> bad{0}, hits{0};
+  std::vector<std::thread> threads;
+  constexpr int kOpsPerThread = 100000 / 8;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int op = 0; op < kOpsPerThread; ++op) {
+        const int p = static_cast<int>(rng() % kPrompts);
+        const int kind = static_cast<int>(rng() % 10);
+        if (kind < 4) {
+          store.put(spec, prompts[p], kvs[p]->view);
+        } else if (kind < 9) {
+          Match m = store.match(spec, prompts[p]);
+          if (m.tokens() == 0) continue;
+          hits.fetch_add(1);
+          testing::DenseKV out(spec, m.tokens(), 7);
+          m.copy_to(out.view);
+          if (!testing::same_elements(out.view, kvs[p]->view.slice_tokens(0, m.tokens())))
+            bad.fetch_add(1);
+        } else {
+          store.erase(spec, prompts[p]);
+        }
+        if (store.stats().bytes_used > o.capacity_bytes) bad.fetch_add(1000000);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const StoreStats st = store.stats();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(hits.load(), 1000);
+  EXPECT_GT(st.evictions, 100);
+  EXPECT_LE(st.peak_bytes, o.capacity_bytes);
+  EXPECT_EQ(st.bytes_used, st.entries * entry);
+}
+
+}  // namespace
+}  // namespace kvbridge

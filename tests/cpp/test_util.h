@@ -1,0 +1,92 @@
+// Helpers shared by the C++ tests: seeded random KV in a chosen layout.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kvbridge/kvbridge.h"
+
+namespace kvbridge::testing {
+
+inline ModelSpec small_spec(DType dtype = DType::kFloat32, int64_t layers = 3, int64_t heads = 2,
+                            int64_t dim = 6) {
+  ModelSpec s;
+  s.name = "test-model";
+  s.num_layers = layers;
+  s.num_kv_heads = heads;
+  s.head_dim = dim;
+  s.dtype = dtype;
+  return s;
+}
+
+inline std::vector<int64_t> random_tokens(size_t n, uint64_t seed, int64_t vocab = 50000) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> dist(0, vocab - 1);
+  std::vector<int64_t> t(n);
+  for (auto& x : t) x = dist(rng);
+  return t;
+}
+
+/// Random bytes (never all zero) in a dense canonical buffer for `tokens` tokens of `spec`.
+struct DenseKV {
+  std::vector<unsigned char> bytes;
+  KVView view;
+  DenseKV(const ModelSpec& spec, int64_t tokens, uint64_t seed)
+      : bytes(static_cast<size_t>(spec.kv_bytes_per_token() * tokens)) {
+    std::mt19937_64 rng(seed);
+    for (auto& b : bytes) b = static_cast<unsigned char>(rng() | 1);
+    view = KVView::contiguous(bytes.data(), spec.dtype, Device{}, spec.num_layers, tokens,
+                              spec.num_kv_heads, spec.head_dim);
+  }
+};
+
+/// Hugging Face layout [1, heads, tokens, dim] per layer, with an optional gap of `pad` elements
+/// after each token row to make the views non-contiguous.
+struct HFKV {
+  std::vector<std::vector<unsigned char>> storage;  // 2 per layer
+  std::vector<TensorView> keys, values;
+  HFKV(const ModelSpec& spec, int64_t tokens, int64_t pad, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const int64_t es = static_cast<int64_t>(dtype_size(spec.dtype));
+    const int64_t row = spec.head_dim + pad;
+    for (int64_t l = 0; l < 2 * spec.num_layers; ++l) {
+      storage.emplace_back(static_cast<size_t>(spec.num_kv_heads * tokens * row * es));
+      for (auto& b : storage.back()) b = static_cast<unsigned char>(rng() | 1);
+      TensorView t;
+      t.data = storage.back().data();
+      t.dtype = spec.dtype;
+      t.shape = {1, spec.num_kv_heads, tokens, spec.head_dim};
+      t.strides = {spec.num_kv_heads * tokens * row, tokens * row, row, 1};
+      (l % 2 == 0 ? keys : values).push_back(t);
+    }
+  }
+  KVView view() const { return KVView::from_hf_layers(keys, values); }
+};
+
+/// Element-by-element comparison of two views (bytes of each element), the reference for the
+/// memcpy fast paths.
+inline bool same_elements(const KVView& a, const KVView& b) {
+  if (a.num_layers() != b.num_layers() || a.tokens() != b.tokens() ||
+      a.kv_heads() != b.kv_heads() || a.head_dim() != b.head_dim() || a.dtype() != b.dtype())
+    return false;
+  const int64_t es = static_cast<int64_t>(dtype_size(a.dtype()));
+  for (int64_t l = 0; l < a.num_layers(); ++l)
+    for (int k = 0; k < 2; ++k) {
+      const KVPlane& pa = a.plane(l, static_cast<KVView::Kind>(k));
+      const KVPlane& pb = b.plane(l, static_cast<KVView::Kind>(k));
+      for (int64_t t = 0; t < a.tokens(); ++t)
+        for (int64_t h = 0; h < a.kv_heads(); ++h)
+          for (int64_t d = 0; d < a.head_dim(); ++d) {
+            const char* ea = static_cast<const char*>(pa.data) +
+                             (t * pa.token_stride + h * pa.head_stride + d * pa.dim_stride) * es;
+            const char* eb = static_cast<const char*>(pb.data) +
+                             (t * pb.token_stride + h * pb.head_stride + d * pb.dim_stride) * es;
+            if (std::memcmp(ea, eb, static_cast<size_t>(es)) != 0) return false;
+          }
+    }
+  return true;
+}
+
+}  // namespace kvbridge::testing
