@@ -1,0 +1,34 @@
+"""kvbridge: reuse one LLM's prompt KV cache in another.
+
+KV caches are Hugging Face's legacy form: a tuple with one ``(key, value)`` pair per layer, each a
+torch tensor ``[batch, kv_heads, tokens, head_dim]`` (batch 1 for the store).
+"""
+from kvbridge._core import (
+    CorruptError,
+    Error,
+    InvalidArgumentError,
+    ModelSpec,
+    NotFoundError,
+    RopeScaling,
+    UnavailableError,
+    cuda_device_count,
+)
+from kvbridge._core import version as _version
+from kvbridge.store import KVStore, Match, prefix_hashes
+
+__version__ = _version()
+
+__all__ = [
+    "CorruptError",
+    "Error",
+    "InvalidArgumentError",
+    "KVStore",
+    "Match",
+    "ModelSpec",
+    "NotFoundError",
+    "RopeScaling",
+    "UnavailableError",
+    "cuda_device_count",
+    "prefix_hashes",
+    "__version__",
+]

@@ -1,0 +1,70 @@
+"""Turning user objects (token sequences, torch KV tuples) into the native core's views.
+
+Views are zero-copy: the core reads the tensors' memory through their data pointers and strides,
+so the tensors must stay alive for the call, which the callers here guarantee by holding them.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from kvbridge import _core
+
+KVCache = Tuple[Tuple[torch.Tensor, torch.Tensor], ...]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def as_tokens(tokens: Any) -> np.ndarray:
+    """A 1-D C-contiguous int64 array of the token ids (a copy only when needed)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"tokens: expected an integer tensor, got dtype {tokens.dtype}")
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f":  # [] comes out as float64
+            arr = arr.astype(np.int64)
+        else:
+            raise TypeError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D sequence, got shape {tuple(arr.shape)}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 2**63:
+        raise ValueError(f"tokens: id {int(arr.max())} is outside the token id range [0, 2^32)")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def tensor_view(t: torch.Tensor) -> _core.TensorView:
+    dtype = str(t.dtype).replace("torch.", "")
+    return _core.TensorView(t.data_ptr(), dtype, list(t.shape), list(t.stride()),
+                            t.device.type, t.device.index or 0)
+
+
+def check_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Checks the container types of a legacy KV tuple; shapes are checked by the core."""
+    if isinstance(kv, torch.Tensor) or not isinstance(kv, (tuple, list)):
+        raise TypeError(f"kv: expected a tuple of (key, value) pairs per layer, got {type(kv).__name__}")
+    if len(kv) == 0:
+        raise ValueError("kv: expected at least one layer, got none")
+    pairs = []
+    for i, layer in enumerate(kv):
+        if not isinstance(layer, (tuple, list)) or len(layer) != 2:
+            raise TypeError(f"kv[{i}]: expected a (key, value) pair")
+        for j, t in enumerate(layer):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"kv[{i}][{j}]: expected a torch.Tensor, got {type(t).__name__}")
+        pairs.append((layer[0], layer[1]))
+    return pairs
+
+
+def kv_views(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]):
+    return [tensor_view(k) for k, _ in pairs], [tensor_view(v) for _, v in pairs]
+
+
+def empty_kv(spec: _core.ModelSpec, tokens: int) -> KVCache:
+    dtype = _TORCH_DTYPES[spec.dtype]
+    shape = (1, spec.num_kv_heads, tokens, spec.head_dim)
+    return tuple((torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+                 for _ in range(spec.num_layers))

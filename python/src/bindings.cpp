@@ -1,0 +1,235 @@
+// pybind11 bindings: type conversions only. Argument checking lives in the C++ library (so C++
+// and Python callers get the same errors); Python-side type handling lives in python/kvbridge.
+#include <pybind11/numpy.h>
+#include <pybind11/operators.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "kvbridge/kvbridge.h"
+
+namespace py = pybind11;
+using namespace kvbridge;
+
+namespace {
+
+TensorView make_view(uintptr_t data, const std::string& dtype, std::vector<int64_t> shape,
+                     std::vector<int64_t> strides, const std::string& device, int device_index) {
+  TensorView v;
+  v.data = reinterpret_cast<void*>(data);
+  v.dtype = parse_dtype(dtype);
+  KVB_CHECK(device == "cpu" || device == "cuda", "device: unsupported '" << device << "'");
+  v.device = Device{device == "cpu" ? DeviceType::kCPU : DeviceType::kCUDA, device_index};
+  v.shape = std::move(shape);
+  v.strides = std::move(strides);
+  return v;
+}
+
+TokenSpan token_span(const py::array_t<int64_t, py::array::c_style>& tokens) {
+  KVB_CHECK(tokens.ndim() == 1, "tokens: expected 1 dim, got " << tokens.ndim());
+  return TokenSpan(tokens.data(), static_cast<size_t>(tokens.size()));
+}
+
+py::dict stats_dict(const StoreStats& s) {
+  py::dict d;
+  d["capacity_bytes"] = s.capacity_bytes;
+  d["bytes_used"] = s.bytes_used;
+  d["peak_bytes"] = s.peak_bytes;
+  d["entries"] = s.entries;
+  d["puts"] = s.puts;
+  d["chunks_inserted"] = s.chunks_inserted;
+  d["chunks_present"] = s.chunks_present;
+  d["chunks_rejected"] = s.chunks_rejected;
+  d["matches"] = s.matches;
+  d["hits"] = s.hits;
+  d["misses"] = s.misses;
+  d["hit_chunks"] = s.hit_chunks;
+  d["collisions"] = s.collisions;
+  d["evictions"] = s.evictions;
+  d["erased"] = s.erased;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "kvbridge native core (use the kvbridge package, not this module)";
+
+  // Exception types. Bases are tuples so each is both a kvbridge.Error and the builtin users
+  // expect (ValueError, KeyError, ...).
+  static py::exception<Error> error_type(m, "Error", PyExc_RuntimeError);
+  auto make = [&](const char* name, PyObject* builtin) {
+    py::tuple bases = py::make_tuple(error_type, py::handle(builtin));
+    return py::reinterpret_steal<py::object>(
+        PyErr_NewException((std::string("kvbridge.") + name).c_str(), bases.ptr(), nullptr));
+  };
+  static py::object invalid_type = make("InvalidArgumentError", PyExc_ValueError);
+  static py::object not_found_type = make("NotFoundError", PyExc_KeyError);
+  static py::object corrupt_type = make("CorruptError", PyExc_ValueError);
+  static py::object unavailable_type = make("UnavailableError", PyExc_OSError);
+  m.attr("InvalidArgumentError") = invalid_type;
+  m.attr("NotFoundError") = not_found_type;
+  m.attr("CorruptError") = corrupt_type;
+  m.attr("UnavailableError") = unavailable_type;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(invalid_type.ptr(), e.what());
+    } catch (const NotFound& e) {
+      PyErr_SetString(not_found_type.ptr(), e.what());
+    } catch (const Corrupt& e) {
+      PyErr_SetString(corrupt_type.ptr(), e.what());
+    } catch (const Unavailable& e) {
+      PyErr_SetString(unavailable_type.ptr(), e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(error_type.ptr(), e.what());
+    }
+  });
+
+  m.def("version", &version);
+  m.def("cuda_device_count", &cuda_device_count);
+
+  py::class_<RopeScaling>(m, "RopeScaling")
+      .def(py::init([](const std::string& type, double factor, double low, double high,
+                       int64_t original_max_position) {
+             RopeScaling s;
+             KVB_CHECK(type == "none" || type == "linear" || type == "llama3",
+                       "rope_scaling.type: expected 'none', 'linear' or 'llama3', got '" << type
+                                                                                         << "'");
+             s.type = type == "none"     ? RopeScaling::Type::kNone
+                      : type == "linear" ? RopeScaling::Type::kLinear
+                                         : RopeScaling::Type::kLlama3;
+             s.factor = factor;
+             s.low_freq_factor = low;
+             s.high_freq_factor = high;
+             s.original_max_position = original_max_position;
+             return s;
+           }),
+           py::arg("type") = "none", py::arg("factor") = 1.0, py::arg("low_freq_factor") = 1.0,
+           py::arg("high_freq_factor") = 4.0, py::arg("original_max_position") = 8192)
+      .def_property_readonly("type",
+                             [](const RopeScaling& s) {
+                               return s.type == RopeScaling::Type::kNone     ? "none"
+                                      : s.type == RopeScaling::Type::kLinear ? "linear"
+                                                                             : "llama3";
+                             })
+      .def_readonly("factor", &RopeScaling::factor)
+      .def_readonly("low_freq_factor", &RopeScaling::low_freq_factor)
+      .def_readonly("high_freq_factor", &RopeScaling::high_freq_factor)
+      .def_readonly("original_max_position", &RopeScaling::original_max_position)
+      .def(py::self == py::self);
+
+  py::class_<ModelSpec>(m, "ModelSpec")
+      .def(py::init([](std::string name, int64_t num_layers, int64_t num_kv_heads,
+                       int64_t head_dim, const std::string& dtype, std::string version,
+                       std::string tokenizer, double rope_base, const std::string& rope_style,
+                       const RopeScaling& rope_scaling) {
+             ModelSpec s;
+             s.name = std::move(name);
+             s.num_layers = num_layers;
+             s.num_kv_heads = num_kv_heads;
+             s.head_dim = head_dim;
+             s.dtype = parse_dtype(dtype);
+             s.version = std::move(version);
+             s.tokenizer = std::move(tokenizer);
+             s.rope_base = rope_base;
+             s.rope_style = parse_rope_style(rope_style);
+             s.rope_scaling = rope_scaling;
+             s.validate();
+             return s;
+           }),
+           py::arg("name"), py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("dtype") = "float32", py::arg("version") = "", py::arg("tokenizer") = "",
+           py::arg("rope_base") = 10000.0, py::arg("rope_style") = "half",
+           py::arg("rope_scaling") = RopeScaling{})
+      .def_readonly("name", &ModelSpec::name)
+      .def_readonly("num_layers", &ModelSpec::num_layers)
+      .def_readonly("num_kv_heads", &ModelSpec::num_kv_heads)
+      .def_readonly("head_dim", &ModelSpec::head_dim)
+      .def_property_readonly("dtype", [](const ModelSpec& s) { return dtype_name(s.dtype); })
+      .def_readonly("version", &ModelSpec::version)
+      .def_readonly("tokenizer", &ModelSpec::tokenizer)
+      .def_readonly("rope_base", &ModelSpec::rope_base)
+      .def_property_readonly("rope_style",
+                             [](const ModelSpec& s) { return rope_style_name(s.rope_style); })
+      .def_readonly("rope_scaling", &ModelSpec::rope_scaling)
+      .def_property_readonly("fingerprint", &ModelSpec::fingerprint)
+      .def("kv_bytes_per_token", &ModelSpec::kv_bytes_per_token)
+      .def(py::self == py::self)
+      .def(py::self != py::self)
+      .def("__hash__", [](const ModelSpec& s) { return py::hash(py::str(s.fingerprint())); });
+
+  py::class_<TensorView>(m, "TensorView")
+      .def(py::init(&make_view), py::arg("data"), py::arg("dtype"), py::arg("shape"),
+           py::arg("strides"), py::arg("device") = "cpu", py::arg("device_index") = 0);
+
+  py::class_<Match>(m, "Match")
+      .def_property_readonly("tokens", &Match::tokens)
+      .def(
+          "copy_to",
+          [](const Match& match, const std::vector<TensorView>& keys,
+             const std::vector<TensorView>& values) {
+            const KVView dst = KVView::from_hf_layers(keys, values);
+            py::gil_scoped_release release;
+            match.copy_to(dst);
+          },
+          py::arg("keys"), py::arg("values"));
+
+  py::class_<KVStore>(m, "KVStore")
+      .def(py::init([](int64_t capacity_bytes, int64_t chunk_tokens, int num_shards) {
+             StoreOptions o;
+             o.capacity_bytes = capacity_bytes;
+             o.chunk_tokens = chunk_tokens;
+             o.num_shards = num_shards;
+             return std::make_unique<KVStore>(o);
+           }),
+           py::arg("capacity_bytes"), py::arg("chunk_tokens") = 256, py::arg("num_shards") = 16)
+      .def_property_readonly("capacity_bytes",
+                             [](const KVStore& s) { return s.options().capacity_bytes; })
+      .def_property_readonly("chunk_tokens",
+                             [](const KVStore& s) { return s.options().chunk_tokens; })
+      .def(
+          "put",
+          [](KVStore& store, const ModelSpec& spec,
+             const py::array_t<int64_t, py::array::c_style>& tokens,
+             const std::vector<TensorView>& keys, const std::vector<TensorView>& values,
+             const std::string& ns) {
+            const TokenSpan span = token_span(tokens);
+            const KVView kv = KVView::from_hf_layers(keys, values);
+            py::gil_scoped_release release;
+            return store.put(spec, span, kv, ns);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("keys"), py::arg("values"),
+          py::arg("namespace"))
+      .def(
+          "match",
+          [](KVStore& store, const ModelSpec& spec,
+             const py::array_t<int64_t, py::array::c_style>& tokens, const std::string& ns) {
+            const TokenSpan span = token_span(tokens);
+            py::gil_scoped_release release;
+            return store.match(spec, span, ns);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
+      .def(
+          "erase",
+          [](KVStore& store, const ModelSpec& spec,
+             const py::array_t<int64_t, py::array::c_style>& tokens, const std::string& ns) {
+            return store.erase(spec, token_span(tokens), ns);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
+      .def("clear", &KVStore::clear)
+      .def("stats", [](const KVStore& s) { return stats_dict(s.stats()); });
+
+  m.def(
+      "prefix_hashes",
+      [](const ModelSpec& spec, const py::array_t<int64_t, py::array::c_style>& tokens,
+         const std::string& ns, int64_t chunk_tokens) {
+        spec.validate();
+        const Hash128 salt = prefix_salt(ns, spec);
+        std::vector<std::string> out{salt.hex()};
+        for (const Hash128& h : prefix_hashes(salt, token_span(tokens), chunk_tokens))
+          out.push_back(h.hex());
+        return out;
+      },
+      py::arg("spec"), py::arg("tokens"), py::arg("namespace"), py::arg("chunk_tokens"));
+}

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs what kvbridge needs on a fresh machine: Debian -dev packages (as root, else one message
+# listing them) and a project virtual environment in .venv with the Python packages.
+# Sourced by demo.sh and test.sh; safe to run again (installs only what is missing).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+
+DEB_PACKAGES=(g++ libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev libeigen3-dev
+  nlohmann-json3-dev libhiredis-dev libssl-dev redis-server fortunes)
+PIP_PACKAGES=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "xxhash>=3" "safetensors>=0.4"
+  "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja)
+
+missing=()
+for p in "${DEB_PACKAGES[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "bootstrap: apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "bootstrap: missing Debian packages; install them as root:" >&2
+    echo "  apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+if [ ! -x "$PY" ]; then
+  echo "bootstrap: creating $VENV"
+  python3 -m venv "$VENV"
+fi
+stamp="$VENV/.kvbridge-deps"
+want="$(printf '%s\n' "${PIP_PACKAGES[@]}")"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "bootstrap: pip install ${PIP_PACKAGES[*]}"
+  "$PY" -m pip install -q "${PIP_PACKAGES[@]}"
+  printf '%s' "$want" >"$stamp"
+fi
+export PATH="$VENV/bin:$PATH"
+
+# Builds and installs the Python package (and its native core) into the venv.
+install_python_package() {
+  echo "bootstrap: building and installing the kvbridge Python package"
+  "$PY" -m pip install -q --no-build-isolation --no-deps "$ROOT"
+}
