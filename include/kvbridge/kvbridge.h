@@ -1,6 +1,7 @@
 // Umbrella header for the kvbridge C++ API.
 #pragma once
 
+#include "kvbridge/adapter.h"
 #include "kvbridge/dtype.h"
 #include "kvbridge/error.h"
 #include "kvbridge/kv_store.h"

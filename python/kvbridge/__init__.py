@@ -14,11 +14,15 @@ from kvbridge._core import (
     cuda_device_count,
 )
 from kvbridge._core import version as _version
+from kvbridge.adapter import AdapterFitter, LinearAdapter, fit_adapter
 from kvbridge.store import KVStore, Match, prefix_hashes
 
 __version__ = _version()
 
 __all__ = [
+    "AdapterFitter",
+    "LinearAdapter",
+    "fit_adapter",
     "CorruptError",
     "Error",
     "InvalidArgumentError",

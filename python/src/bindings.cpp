@@ -49,6 +49,25 @@ py::dict stats_dict(const StoreStats& s) {
   return d;
 }
 
+py::dict report_dict(const FitReport& r) {
+  py::list layers;
+  for (const LayerFit& lf : r.layers) {
+    py::dict d;
+    d["source_layers"] = lf.source_layers;
+    d["r2_key"] = lf.r2_key;
+    d["r2_value"] = lf.r2_value;
+    d["ridge_key"] = lf.ridge_key;
+    d["ridge_value"] = lf.ridge_value;
+    layers.append(d);
+  }
+  py::dict d;
+  d["layers"] = layers;
+  d["train_tokens"] = r.train_tokens;
+  d["holdout_tokens"] = r.holdout_tokens;
+  d["rope_aware"] = r.rope_aware;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -219,6 +238,63 @@ PYBIND11_MODULE(_core, m) {
           py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
       .def("clear", &KVStore::clear)
       .def("stats", [](const KVStore& s) { return stats_dict(s.stats()); });
+
+  py::class_<FitOptions> fit_options(m, "FitOptions");
+  py::enum_<FitOptions::Selection>(fit_options, "Selection")
+      .value("AUTO", FitOptions::Selection::kAuto)
+      .value("ALL", FitOptions::Selection::kAll)
+      .value("EXPLICIT", FitOptions::Selection::kExplicit);
+  fit_options.def(py::init<>())
+      .def_readwrite("selection", &FitOptions::selection)
+      .def_readwrite("source_layers", &FitOptions::source_layers)
+      .def_readwrite("max_source_layers", &FitOptions::max_source_layers)
+      .def_readwrite("rope_aware", &FitOptions::rope_aware)
+      .def_readwrite("ridge_grid", &FitOptions::ridge_grid)
+      .def_readwrite("holdout", &FitOptions::holdout)
+      .def_readwrite("seed", &FitOptions::seed)
+      .def_readwrite("max_memory_bytes", &FitOptions::max_memory_bytes);
+
+  py::class_<LinearAdapter>(m, "LinearAdapter")
+      .def_property_readonly("source", &LinearAdapter::source)
+      .def_property_readonly("target", &LinearAdapter::target)
+      .def_property_readonly("report", [](const LinearAdapter& a) { return report_dict(a.report()); })
+      .def(
+          "convert",
+          [](const LinearAdapter& a, const std::vector<TensorView>& src_keys,
+             const std::vector<TensorView>& src_values, int64_t start_pos,
+             const std::vector<TensorView>& dst_keys, const std::vector<TensorView>& dst_values,
+             bool reference) {
+            const KVView src = KVView::from_hf_layers(src_keys, src_values);
+            const KVView dst = KVView::from_hf_layers(dst_keys, dst_values);
+            py::gil_scoped_release release;
+            if (reference) {
+              a.convert_reference(src, start_pos, dst);
+            } else {
+              a.convert(src, start_pos, dst);
+            }
+          },
+          py::arg("src_keys"), py::arg("src_values"), py::arg("start_pos"), py::arg("dst_keys"),
+          py::arg("dst_values"), py::arg("reference") = false);
+
+  py::class_<AdapterFitter>(m, "AdapterFitter")
+      .def(py::init<const ModelSpec&, const ModelSpec&, const FitOptions&>(), py::arg("source"),
+           py::arg("target"), py::arg("options"))
+      .def(
+          "add",
+          [](AdapterFitter& f, const std::vector<TensorView>& src_keys,
+             const std::vector<TensorView>& src_values, const std::vector<TensorView>& tgt_keys,
+             const std::vector<TensorView>& tgt_values, int64_t start_pos) {
+            const KVView src = KVView::from_hf_layers(src_keys, src_values);
+            const KVView tgt = KVView::from_hf_layers(tgt_keys, tgt_values);
+            py::gil_scoped_release release;
+            f.add(src, tgt, start_pos);
+          },
+          py::arg("src_keys"), py::arg("src_values"), py::arg("tgt_keys"), py::arg("tgt_values"),
+          py::arg("start_pos"))
+      .def_property_readonly("train_tokens", &AdapterFitter::train_tokens)
+      .def_property_readonly("holdout_tokens", &AdapterFitter::holdout_tokens)
+      .def_property_readonly("memory_bytes", &AdapterFitter::memory_bytes)
+      .def("fit", &AdapterFitter::fit, py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "prefix_hashes",

@@ -1,0 +1,128 @@
+// Linear adapters between two models' KV spaces: fitting (AdapterFitter) and conversion
+// (LinearAdapter::convert).
+//
+// For each target layer j the adapter holds two affine maps, one producing the target's keys and
+// one its values, whose input features are the keys and values of a set S_j of source layers,
+// flattened per token ([kv_heads * head_dim] keys, then values, for each layer of S_j in order).
+// With rope_aware (the default) keys are mapped in position-free space: source keys are
+// un-rotated with the source RoPE, mapped, and rotated with the target RoPE at the same absolute
+// positions. Values carry no RoPE.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvbridge/kv_view.h"
+#include "kvbridge/model_spec.h"
+
+namespace kvbridge {
+
+struct FitOptions {
+  enum class Selection : uint8_t {
+    kAuto = 0,      ///< per target layer, greedy forward selection by held-out R²
+    kAll = 1,       ///< every source layer feeds every target layer
+    kExplicit = 2,  ///< `source_layers[j]` lists target layer j's source layers
+  };
+  Selection selection = Selection::kAuto;
+  std::vector<std::vector<int64_t>> source_layers;  ///< kExplicit only; one list per target layer
+  int64_t max_source_layers = 8;  ///< kAuto: most layers one target layer may draw on
+  bool rope_aware = true;         ///< false: map post-RoPE keys directly (an ablation)
+  /// Ridge strengths relative to the mean feature variance; the best on held-out tokens is chosen
+  /// per map. A single value fixes it.
+  std::vector<double> ridge_grid = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0};
+  double holdout = 0.1;  ///< share of tokens held out for selection and R², in (0, 0.5]
+  uint64_t seed = 0;     ///< decides which tokens are held out
+  /// Bound on the fitter's float64 accumulators (see AdapterFitter); exceeding it is an error
+  /// at construction, not an allocation failure later.
+  int64_t max_memory_bytes = int64_t{8} << 30;
+};
+
+/// Fit quality of one target layer, measured on held-out tokens.
+struct LayerFit {
+  std::vector<int64_t> source_layers;
+  double r2_key = 0, r2_value = 0;        ///< held-out R² of un-rotated keys / values
+  double ridge_key = 0, ridge_value = 0;  ///< chosen relative ridge strengths
+};
+
+struct FitReport {
+  std::vector<LayerFit> layers;  ///< one per target layer
+  int64_t train_tokens = 0;
+  int64_t holdout_tokens = 0;
+  bool rope_aware = true;
+};
+
+class LinearAdapter {
+ public:
+  LinearAdapter(const LinearAdapter&) = delete;
+  LinearAdapter& operator=(const LinearAdapter&) = delete;
+  LinearAdapter(LinearAdapter&&) noexcept;
+  LinearAdapter& operator=(LinearAdapter&&) noexcept;
+  ~LinearAdapter();
+
+  const ModelSpec& source() const noexcept;
+  const ModelSpec& target() const noexcept;
+  const FitReport& report() const noexcept;
+
+  /// Converts a source KV cache to the target's on the CPU.
+  /// src: CPU view matching source() (layers, kv_heads, head_dim, dtype), any strides, tokens at
+  ///      absolute positions start_pos, start_pos + 1, ...
+  /// dst: CPU view matching target(), same token count; written, never read. Must not overlap src.
+  /// Arithmetic is float32; the result is rounded to the target dtype. Non-finite inputs
+  /// propagate to the outputs of the tokens that contain them (nothing else is affected).
+  /// Throws InvalidArgument for views that do not match.
+  void convert(const KVView& src, int64_t start_pos, const KVView& dst) const;
+
+  /// float64 reference of convert (for tests and validation): same contract, computed in
+  /// double and rounded once at the end.
+  void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst) const;
+
+  /// Raw parameters of target layer j: weights [features, kv_heads * head_dim] row-major and bias
+  /// [kv_heads * head_dim], float32, for keys (kind 0) or values (kind 1).
+  const std::vector<float>& weights(int64_t layer, int kind) const;
+  const std::vector<float>& bias(int64_t layer, int kind) const;
+
+  struct Impl;
+
+ private:
+  friend class AdapterFitter;
+  explicit LinearAdapter(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Accumulates paired samples and solves the ridge regressions.
+///
+/// Memory: with F = 2 * source.num_layers * source.num_kv_heads * source.head_dim features and
+/// O = target.num_kv_heads * target.head_dim outputs per map, the accumulators hold
+/// 2 * (F^2 + 2 * target.num_layers * F * O) float64 values (train and held-out parts), whatever
+/// the number of samples. kExplicit with small lists bounds F by the largest list instead.
+class AdapterFitter {
+ public:
+  /// Throws InvalidArgument for bad specs or options, including accumulators over
+  /// options.max_memory_bytes.
+  AdapterFitter(const ModelSpec& source, const ModelSpec& target, const FitOptions& options = {});
+  ~AdapterFitter();
+  AdapterFitter(const AdapterFitter&) = delete;
+  AdapterFitter& operator=(const AdapterFitter&) = delete;
+
+  /// Adds one sequence: src and tgt are CPU views matching the two specs, with the same token
+  /// count, for the same tokens at absolute positions start_pos, start_pos + 1, ...
+  /// Throws InvalidArgument on mismatch or on non-finite values (nothing is accumulated then).
+  void add(const KVView& src, const KVView& tgt, int64_t start_pos = 0);
+
+  int64_t train_tokens() const noexcept;
+  int64_t holdout_tokens() const noexcept;
+  /// Bytes held by the accumulators.
+  int64_t memory_bytes() const noexcept;
+
+  /// Solves the regressions. Throws InvalidArgument if too few tokens were added (fewer than
+  /// 2 held-out tokens, or no training tokens).
+  LinearAdapter fit() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvbridge

@@ -1,0 +1,137 @@
+"""Linear adapters between two models' KV caches: fitting and conversion."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
+
+import torch
+
+from kvbridge import _core
+from kvbridge._tensors import KVCache, check_kv, empty_kv, kv_views
+
+SourceLayers = Union[str, Sequence[Sequence[int]]]
+
+
+class LinearAdapter:
+    """Converts a source model's KV cache into a target model's (see AdapterFitter)."""
+
+    def __init__(self, native: _core.LinearAdapter):
+        self._native = native
+
+    @property
+    def source(self) -> _core.ModelSpec:
+        return self._native.source
+
+    @property
+    def target(self) -> _core.ModelSpec:
+        return self._native.target
+
+    @property
+    def report(self) -> dict:
+        """Held-out R² per target layer for K and V, chosen ridge and source layers, token counts."""
+        return self._native.report
+
+    def convert(self, source_kv: KVCache, start_pos: int = 0, *,
+                reference: bool = False) -> KVCache:
+        """The target model's KV for the same tokens, on the input's device.
+
+        source_kv: legacy tuple of the source model, [1, kv_heads, tokens, head_dim] per tensor,
+            the source spec's dtype, tokens at absolute positions start_pos, start_pos + 1, ...
+        reference: compute in float64 (slow; for validation).
+        Returns fresh tensors of the target spec's dtype.
+        """
+        pairs = check_kv(source_kv)
+        device = pairs[0][0].device
+        pairs = [(k.cpu(), v.cpu()) for k, v in pairs]
+        tokens = pairs[0][0].shape[2] if pairs[0][0].dim() == 4 else 0
+        out = empty_kv(self.target, tokens)
+        src_k, src_v = kv_views(pairs)
+        dst_k, dst_v = kv_views(out)
+        self._native.convert(src_k, src_v, int(start_pos), dst_k, dst_v, reference)
+        if device.type != "cpu":
+            out = tuple((k.to(device), v.to(device)) for k, v in out)
+        return out
+
+
+class AdapterFitter:
+    """Accumulates paired (source KV, target KV) samples and fits a LinearAdapter.
+
+    source_layers: "auto" (per target layer, the source layers that predict it best on held-out
+        tokens, added greedily while held-out R² improves), "all", or one list per target layer.
+    rope_aware: map keys in position-free space (un-rotate source, rotate with the target RoPE).
+    ridge: "auto" (chosen per map on held-out tokens from a grid) or a fixed relative strength.
+    holdout: share of tokens held out for choosing layers and ridge and for the report.
+    """
+
+    def __init__(self, source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
+                 source_layers: SourceLayers = "auto", rope_aware: bool = True,
+                 ridge: Union[str, float] = "auto", holdout: float = 0.1,
+                 max_source_layers: int = 8, seed: int = 0,
+                 max_memory_bytes: Optional[int] = None):
+        opts = _core.FitOptions()
+        if isinstance(source_layers, str):
+            if source_layers not in ("auto", "all"):
+                raise ValueError(f"source_layers: expected 'auto', 'all' or lists, got {source_layers!r}")
+            opts.selection = (_core.FitOptions.Selection.AUTO if source_layers == "auto"
+                              else _core.FitOptions.Selection.ALL)
+        else:
+            opts.selection = _core.FitOptions.Selection.EXPLICIT
+            opts.source_layers = [[int(l) for l in layers] for layers in source_layers]
+        if ridge != "auto":
+            if isinstance(ridge, str):
+                raise ValueError(f"ridge: expected 'auto' or a number, got {ridge!r}")
+            opts.ridge_grid = [float(ridge)]
+        opts.rope_aware = bool(rope_aware)
+        opts.holdout = float(holdout)
+        opts.max_source_layers = int(max_source_layers)
+        opts.seed = int(seed)
+        if max_memory_bytes is not None:
+            opts.max_memory_bytes = int(max_memory_bytes)
+        self._native = _core.AdapterFitter(source_spec, target_spec, opts)
+
+    @property
+    def train_tokens(self) -> int:
+        return self._native.train_tokens
+
+    @property
+    def holdout_tokens(self) -> int:
+        return self._native.holdout_tokens
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._native.memory_bytes
+
+    def add(self, source_kv: KVCache, target_kv: KVCache, start_pos: int = 0) -> None:
+        """Adds both models' KV for the same tokens (legacy tuples, any device and strides)."""
+        src = [(k.cpu(), v.cpu()) for k, v in check_kv(source_kv)]
+        tgt = [(k.cpu(), v.cpu()) for k, v in check_kv(target_kv)]
+        sk, sv = kv_views(src)
+        tk, tv = kv_views(tgt)
+        self._native.add(sk, sv, tk, tv, int(start_pos))
+
+    def fit(self) -> LinearAdapter:
+        return LinearAdapter(self._native.fit())
+
+
+def fit_adapter(source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
+                source_kv_fn: Callable[[Any], KVCache], target_kv_fn: Callable[[Any], KVCache],
+                batches: Iterable[Any], progress: bool = True, **fitter_options) -> LinearAdapter:
+    """Fits an adapter from two callables that return each model's KV for a token batch.
+
+    batches: token batches (whatever the callables take), e.g. lists of token ids.
+    progress: show a tqdm progress bar (if tqdm is installed).
+    """
+    fitter = AdapterFitter(source_spec, target_spec, **fitter_options)
+    items: Iterable[Any] = batches
+    if progress:
+        try:
+            from tqdm import tqdm
+            items = tqdm(batches, desc="fitting adapter", unit="batch")
+        except ImportError:
+            pass
+    with torch.no_grad():
+        for batch in items:
+            fitter.add(source_kv_fn(batch), target_kv_fn(batch))
+    return fitter.fit()
+
+
+__all__: List[str] = ["AdapterFitter", "LinearAdapter", "fit_adapter"]

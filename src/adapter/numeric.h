@@ -1,0 +1,37 @@
+// Internal numeric helpers of the adapter: element conversion, plane gather/scatter in float32,
+// and RoPE. The one dtype dispatch of the conversion path lives in load_plane / store_plane.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvbridge/kv_view.h"
+#include "kvbridge/model_spec.h"
+
+namespace kvbridge::detail {
+
+float bf16_to_float(uint16_t bits) noexcept;
+uint16_t float_to_bf16(float value) noexcept;  // round to nearest even, NaN stays NaN
+float fp16_to_float(uint16_t bits) noexcept;
+uint16_t float_to_fp16(float value) noexcept;  // round to nearest even, overflow to inf
+
+/// Copies plane [tokens, heads, dim] (any dtype, any strides) into `out`, dense row-major
+/// float32 with row length heads*dim: out[t * ld + h * dim + d], ld >= heads*dim.
+void load_plane(const KVPlane& plane, DType dtype, int64_t tokens, int64_t heads, int64_t dim,
+                float* out, int64_t ld);
+/// The inverse of load_plane: rounds `in` to `dtype` and writes the strided plane.
+void store_plane(const float* in, int64_t ld, DType dtype, int64_t tokens, int64_t heads,
+                 int64_t dim, const KVPlane& plane);
+
+/// Inverse frequencies (head_dim / 2 of them) after the spec's rope_scaling, in float64.
+std::vector<double> rope_inv_freq(const ModelSpec& spec);
+
+/// Rotates (inverse = false) or un-rotates (inverse = true) keys in place: rows of `x` are tokens
+/// at absolute positions start_pos + t, each `heads` heads of `spec.head_dim`, row stride ld.
+void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
+                bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld);
+/// float64 version, the reference for tests.
+void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
+                bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld);
+
+}  // namespace kvbridge::detail

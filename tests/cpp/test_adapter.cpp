@@ -1,0 +1,292 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "src/adapter/numeric.h"
+#include "test_util.h"
+
+namespace kvbridge {
+namespace {
+
+using testing::HFKV;
+
+// Dense float32 KV [layers, 2, tokens, heads, dim] with helpers to view and index it.
+struct FloatKV {
+  ModelSpec spec;
+  int64_t tokens;
+  std::vector<float> data;
+  FloatKV(const ModelSpec& s, int64_t t) : spec(s), tokens(t), data(static_cast<size_t>(2 * s.num_layers * t * s.num_kv_heads * s.head_dim)) {}
+  float* plane(int64_t layer, int kind) {
+    return data.data() + (2 * layer + kind) * tokens * spec.num_kv_heads * spec.head_dim;
+  }
+  KVView view() {
+    return KVView::contiguous(data.data(), DType::kFloat32, {}, spec.num_layers, tokens,
+                              spec.num_kv_heads, spec.head_dim);
+  }
+};
+
+ModelSpec make_spec(const char* name, int64_t layers, int64_t heads, int64_t dim, double base,
+                    RopeStyle style, DType dtype = DType::kFloat32) {
+  ModelSpec s = testing::small_spec(dtype, layers, heads, dim);
+  s.name = name;
+  s.rope_base = base;
+  s.rope_style = style;
+  return s;
+}
+
+TEST(Numeric, HalfAndBFloatRoundTrip) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.f, 3.f);
+  for (int i = 0; i < 20000; ++i) {
+    const float x = dist(rng) * (i % 7 == 0 ? 1e-5f : 1.f);
+    const float b = detail::bf16_to_float(detail::float_to_bf16(x));
+    EXPECT_LE(std::fabs(b - x), std::fabs(x) * 0x1p-8f) << x;
+    const float h = detail::fp16_to_float(detail::float_to_fp16(x));
+    EXPECT_LE(std::fabs(h - x), std::max(std::fabs(x) * 0x1p-11f, 0x1p-25f)) << x;
+  }
+  EXPECT_EQ(detail::fp16_to_float(detail::float_to_fp16(65504.f)), 65504.f);
+  EXPECT_TRUE(std::isinf(detail::fp16_to_float(detail::float_to_fp16(70000.f))));
+  EXPECT_TRUE(std::isnan(detail::bf16_to_float(detail::float_to_bf16(NAN))));
+  EXPECT_TRUE(std::isnan(detail::fp16_to_float(detail::float_to_fp16(NAN))));
+  // Every half value survives half -> float -> half.
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    if ((bits & 0x7c00) == 0x7c00 && (bits & 0x3ff)) continue;  // NaN payloads
+    ASSERT_EQ(detail::float_to_fp16(detail::fp16_to_float(static_cast<uint16_t>(bits))), bits);
+  }
+}
+
+TEST(Rope, MatchesDirectFormulaAndInverts) {
+  for (RopeStyle style : {RopeStyle::kHalf, RopeStyle::kInterleaved}) {
+    ModelSpec s = make_spec("r", 1, 3, 10, 5000.0, style);
+    s.rope_scaling.type = RopeScaling::Type::kLlama3;
+    s.rope_scaling.factor = 8;
+    s.rope_scaling.original_max_position = 64;
+    const auto inv = detail::rope_inv_freq(s);
+    const int64_t T = 9, start = 37, ld = 3 * 10 + 4;
+    std::mt19937 rng(1);
+    std::normal_distribution<double> dist;
+    std::vector<double> x(static_cast<size_t>(T * ld));
+    for (auto& v : x) v = dist(rng);
+    std::vector<double> y = x;
+    detail::apply_rope(s, inv, start, false, T, 3, y.data(), ld);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < 3; ++h)
+        for (int64_t i = 0; i < 5; ++i) {
+          const int64_t a = style == RopeStyle::kHalf ? i : 2 * i;
+          const int64_t b = style == RopeStyle::kHalf ? i + 5 : 2 * i + 1;
+          const double ang = (start + t) * inv[static_cast<size_t>(i)];
+          const double* in = &x[static_cast<size_t>(t * ld + h * 10)];
+          const double* out = &y[static_cast<size_t>(t * ld + h * 10)];
+          EXPECT_NEAR(out[a], in[a] * std::cos(ang) - in[b] * std::sin(ang), 1e-12);
+          EXPECT_NEAR(out[b], in[b] * std::cos(ang) + in[a] * std::sin(ang), 1e-12);
+        }
+    detail::apply_rope(s, inv, start, true, T, 3, y.data(), ld);
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(y[i], x[i], 1e-12);
+  }
+}
+
+TEST(Rope, ScalingSchemes) {
+  ModelSpec s = make_spec("r", 1, 1, 128, 500000.0, RopeStyle::kHalf);
+  const auto plain = detail::rope_inv_freq(s);
+  s.rope_scaling.type = RopeScaling::Type::kLinear;
+  s.rope_scaling.factor = 4;
+  const auto linear = detail::rope_inv_freq(s);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_DOUBLE_EQ(linear[i], plain[i] / 4);
+  s.rope_scaling = RopeScaling{RopeScaling::Type::kLlama3, 8.0, 1.0, 4.0, 8192};
+  const auto llama3 = detail::rope_inv_freq(s);
+  EXPECT_DOUBLE_EQ(llama3[0], plain[0]);              // high frequency: unchanged
+  EXPECT_DOUBLE_EQ(llama3.back(), plain.back() / 8);  // low frequency: divided by factor
+}
+
+// Position-free random KV for `spec`, then keys rotated with its RoPE at start_pos + t.
+void fill_position_free(FloatKV& kv, std::mt19937& rng) {
+  std::normal_distribution<float> dist;
+  for (auto& v : kv.data) v = dist(rng);
+}
+void rotate_keys(FloatKV& kv, int64_t start_pos) {
+  const auto inv = detail::rope_inv_freq(kv.spec);
+  const int64_t w = kv.spec.num_kv_heads * kv.spec.head_dim;
+  for (int64_t l = 0; l < kv.spec.num_layers; ++l)
+    detail::apply_rope(kv.spec, inv, start_pos, false, kv.tokens, kv.spec.num_kv_heads,
+                       kv.plane(l, 0), w);
+}
+
+struct PlantedPair {
+  ModelSpec source = make_spec("src", 3, 2, 8, 10000.0, RopeStyle::kHalf);
+  ModelSpec target = make_spec("tgt", 2, 3, 6, 50000.0, RopeStyle::kInterleaved);
+  std::vector<std::array<std::vector<float>, 2>> w;  // [target layer][K/V] -> [sw2, tw]
+  std::vector<std::array<std::vector<float>, 2>> b;
+  // Target layer j draws on source layers {j, j + 1} (planted).
+  PlantedPair() {
+    target.rope_scaling = RopeScaling{RopeScaling::Type::kLinear, 2.0, 1.0, 4.0, 8192};
+    std::mt19937 rng(42);
+    std::normal_distribution<float> dist(0.f, 0.3f);
+    const int64_t sw2 = 2 * 2 * 2 * 8, tw = 3 * 6;
+    w.resize(2);
+    b.resize(2);
+    for (int j = 0; j < 2; ++j)
+      for (int k = 0; k < 2; ++k) {
+        w[j][k].resize(static_cast<size_t>(sw2 * tw));
+        for (auto& v : w[j][k]) v = dist(rng);
+        b[j][k].resize(static_cast<size_t>(tw));
+        for (auto& v : b[j][k]) v = dist(rng) + 1.f;
+      }
+  }
+  // Builds a (source, target) pair of post-RoPE caches for T tokens.
+  void sample(int64_t T, int64_t start_pos, uint32_t seed, FloatKV& src, FloatKV& tgt) const {
+    std::mt19937 rng(seed);
+    fill_position_free(src, rng);
+    const int64_t sw = 2 * 8, tw = 3 * 6;
+    for (int64_t j = 0; j < 2; ++j)
+      for (int k = 0; k < 2; ++k)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t o = 0; o < tw; ++o) {
+            double acc = b[j][k][o];
+            for (int64_t s = 0; s < 2; ++s)
+              for (int kk = 0; kk < 2; ++kk)
+                for (int64_t f = 0; f < sw; ++f)
+                  acc += src.plane(j + s, kk)[t * sw + f] *
+                         w[j][k][((s * 2 + kk) * sw + f) * tw + o];
+            tgt.plane(j, k)[t * tw + o] = static_cast<float>(acc);
+          }
+    rotate_keys(src, start_pos);
+    rotate_keys(tgt, start_pos);
+  }
+};
+
+TEST(AdapterFitter, RecoversPlantedMapThroughRope) {
+  PlantedPair pair;
+  for (auto selection : {FitOptions::Selection::kAuto, FitOptions::Selection::kAll,
+                         FitOptions::Selection::kExplicit}) {
+    FitOptions o;
+    o.selection = selection;
+    o.source_layers = {{0, 1}, {1, 2}};
+    AdapterFitter fitter(pair.source, pair.target, o);
+    for (int i = 0; i < 6; ++i) {
+      FloatKV src(pair.source, 97), tgt(pair.target, 97);
+      pair.sample(97, 13 + 200 * i, 100 + i, src, tgt);
+      fitter.add(src.view(), tgt.view(), 13 + 200 * i);
+    }
+    const LinearAdapter adapter = fitter.fit();
+    for (const LayerFit& lf : adapter.report().layers) {
+      EXPECT_GT(lf.r2_key, 0.9999);
+      EXPECT_GT(lf.r2_value, 0.9999);
+    }
+    if (selection == FitOptions::Selection::kAuto) {
+      EXPECT_EQ(adapter.report().layers[0].source_layers, (std::vector<int64_t>{0, 1}));
+      EXPECT_EQ(adapter.report().layers[1].source_layers, (std::vector<int64_t>{1, 2}));
+    }
+    // Converting fresh data at a new position reproduces the target's own cache.
+    FloatKV src(pair.source, 31), tgt(pair.target, 31), out(pair.target, 31);
+    pair.sample(31, 5000, 999, src, tgt);
+    adapter.convert(src.view(), 5000, out.view());
+    double err = 0, ref = 0;
+    for (size_t i = 0; i < tgt.data.size(); ++i) {
+      err += std::pow(out.data[i] - tgt.data[i], 2);
+      ref += std::pow(tgt.data[i], 2);
+    }
+    EXPECT_LT(std::sqrt(err / ref), 1e-3);
+  }
+}
+
+TEST(AdapterFitter, NaiveFitCannotFollowRope) {
+  PlantedPair pair;
+  FitOptions o;
+  o.rope_aware = false;
+  o.selection = FitOptions::Selection::kAll;
+  AdapterFitter fitter(pair.source, pair.target, o);
+  for (int i = 0; i < 6; ++i) {
+    FloatKV src(pair.source, 97), tgt(pair.target, 97);
+    pair.sample(97, 13 + 200 * i, 100 + i, src, tgt);
+    fitter.add(src.view(), tgt.view(), 13 + 200 * i);
+  }
+  const auto report = fitter.fit().report();
+  // Post-RoPE keys rotate with position, so no fixed linear map explains them (the values the
+  // pair plants depend on position-free source keys too).
+  for (const LayerFit& lf : report.layers) {
+    EXPECT_LT(lf.r2_key, 0.9);
+    EXPECT_LT(lf.r2_value, 0.9);
+  }
+}
+
+// Overwrites an HFKV's random bytes with normal values in its dtype (random bytes may be NaN).
+void fill_normal(HFKV& kv, const ModelSpec& spec, int64_t tokens, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  const int64_t w = spec.num_kv_heads * spec.head_dim;
+  std::vector<float> dense(static_cast<size_t>(tokens * w));
+  for (int64_t l = 0; l < spec.num_layers; ++l)
+    for (int k = 0; k < 2; ++k) {
+      for (auto& v : dense) v = dist(rng);
+      detail::store_plane(dense.data(), w, spec.dtype, tokens, spec.num_kv_heads, spec.head_dim,
+                          kv.view().plane(l, static_cast<KVView::Kind>(k)));
+    }
+}
+
+class ConvertVsReference : public ::testing::TestWithParam<DType> {};
+
+TEST_P(ConvertVsReference, StridedOddSizes) {
+  const DType dtype = GetParam();
+  ModelSpec source = make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf, dtype);
+  ModelSpec target = make_spec("tgt", 4, 1, 14, 30000.0, RopeStyle::kInterleaved, dtype);
+  FitOptions o;
+  o.selection = FitOptions::Selection::kExplicit;
+  o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
+  AdapterFitter fitter(source, target, o);
+  HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
+  fill_normal(fs, source, 211, 5);
+  fill_normal(ft, target, 211, 6);
+  fitter.add(fs.view(), ft.view(), 0);
+  const LinearAdapter adapter = fitter.fit();
+
+  const int64_t T = 37, start = 1001;
+  HFKV src(source, T, 3, 7);
+  fill_normal(src, source, T, 8);
+  HFKV fast(target, T, 2, 1), ref(target, T, 0, 2);
+  adapter.convert(src.view(), start, fast.view());
+  adapter.convert_reference(src.view(), start, ref.view());
+  const double tol = dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 4e-3;
+  std::vector<float> a(static_cast<size_t>(T * 14)), b(a.size());
+  for (int64_t l = 0; l < 4; ++l)
+    for (int k = 0; k < 2; ++k) {
+      detail::load_plane(fast.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14, a.data(), 14);
+      detail::load_plane(ref.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14, b.data(), 14);
+      double scale = 0;
+      for (float v : b) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+      ASSERT_GT(scale, 0.0);
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], tol * scale) << l << " " << k << " " << i;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(DTypes, ConvertVsReference,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16));
+
+TEST(AdapterFitter, BadInput) {
+  PlantedPair pair;
+  FitOptions o;
+  AdapterFitter fitter(pair.source, pair.target, o);
+  EXPECT_THROW(fitter.fit(), InvalidArgument);  // empty
+  FloatKV src(pair.source, 10), tgt(pair.target, 10), short_tgt(pair.target, 9);
+  std::mt19937 rng(1);
+  fill_position_free(src, rng);
+  fill_position_free(tgt, rng);
+  EXPECT_THROW(fitter.add(src.view(), short_tgt.view()), InvalidArgument);
+  EXPECT_THROW(fitter.add(tgt.view(), src.view()), InvalidArgument);  // swapped specs
+  src.data[17] = NAN;
+  EXPECT_THROW(fitter.add(src.view(), tgt.view()), InvalidArgument);
+  EXPECT_EQ(fitter.train_tokens() + fitter.holdout_tokens(), 0);  // nothing accumulated
+  o.selection = FitOptions::Selection::kExplicit;
+  o.source_layers = {{0}};
+  EXPECT_THROW(AdapterFitter(pair.source, pair.target, o), InvalidArgument);
+  o.source_layers = {{0}, {3}};
+  EXPECT_THROW(AdapterFitter(pair.source, pair.target, o), InvalidArgument);
+  o = FitOptions{};
+  o.holdout = 0;
+  EXPECT_THROW(AdapterFitter(pair.source, pair.target, o), InvalidArgument);
+  o = FitOptions{};
+  o.max_memory_bytes = 1000;
+  EXPECT_THROW(AdapterFitter(pair.source, pair.target, o), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvbridge

@@ -1,0 +1,137 @@
+"""Adapters through the Python API: planted maps through RoPE, convert vs the float64 path."""
+import math
+
+import pytest
+import torch
+
+import kvbridge
+from conftest import random_kv
+
+
+def rope(x, base, start_pos, style, inverse=False):
+    """Independent RoPE in torch (float64): x [1, heads, tokens, dim]."""
+    dim = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    pos = torch.arange(start_pos, start_pos + x.shape[2], dtype=torch.float64)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = ang.cos(), ang.sin() * (-1 if inverse else 1)
+    x = x.double()
+    if style == "half":
+        a, b = x[..., : dim // 2], x[..., dim // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+
+SRC = kvbridge.ModelSpec("src", 2, 2, 8, rope_base=10000.0, rope_style="half")
+TGT = kvbridge.ModelSpec("tgt", 3, 3, 4, rope_base=50000.0, rope_style="interleaved")
+
+
+def planted_sample(weights, tokens, start_pos, seed):
+    g = torch.Generator().manual_seed(seed)
+    free = [(torch.randn(1, 2, tokens, 8, generator=g, dtype=torch.float64),
+             torch.randn(1, 2, tokens, 8, generator=g, dtype=torch.float64)) for _ in range(2)]
+    x = torch.cat([t.transpose(1, 2).reshape(tokens, 16) for pair in free for t in pair], dim=1)
+    target = []
+    for w_k, b_k, w_v, b_v in weights:
+        k = (x @ w_k + b_k).reshape(1, tokens, 3, 4).transpose(1, 2)
+        v = (x @ w_v + b_v).reshape(1, tokens, 3, 4).transpose(1, 2)
+        target.append((rope(k, 50000.0, start_pos, "interleaved").float(), v.float()))
+    source = [(rope(k, 10000.0, start_pos, "half").float(), v.float()) for k, v in free]
+    return tuple(source), tuple(target)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    g = torch.Generator().manual_seed(7)
+    return [tuple(torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
+                  for shape in ((64, 12), (12,), (64, 12), (12,))) for _ in range(3)]
+
+
+@pytest.mark.parametrize("source_layers", ["auto", "all", [[0, 1], [0, 1], [0, 1]]])
+def test_fit_recovers_planted_map_through_rope(weights, source_layers):
+    fitter = kvbridge.AdapterFitter(SRC, TGT, source_layers=source_layers)
+    for i in range(5):
+        src, tgt = planted_sample(weights, 89, 7 + 150 * i, seed=i)
+        fitter.add(src, tgt, start_pos=7 + 150 * i)
+    adapter = fitter.fit()
+    report = adapter.report
+    assert report["holdout_tokens"] > 0 and report["train_tokens"] > report["holdout_tokens"]
+    for layer in report["layers"]:
+        assert layer["r2_key"] > 0.9999 and layer["r2_value"] > 0.9999
+        assert layer["source_layers"] == [0, 1]
+    src, tgt = planted_sample(weights, 23, 3000, seed=99)  # held out, new positions
+    out = adapter.convert(src, start_pos=3000)
+    for (k, v), (k0, v0) in zip(out, tgt):
+        assert k.shape == k0.shape and k.dtype == torch.float32
+        assert torch.allclose(k, k0, atol=2e-3, rtol=1e-3)
+        assert torch.allclose(v, v0, atol=2e-3, rtol=1e-3)
+
+
+def test_naive_fit_fails_on_rotated_keys(weights):
+    fitter = kvbridge.AdapterFitter(SRC, TGT, source_layers="all", rope_aware=False)
+    for i in range(5):
+        src, tgt = planted_sample(weights, 89, 7 + 150 * i, seed=i)
+        fitter.add(src, tgt, start_pos=7 + 150 * i)
+    assert all(l["r2_key"] < 0.9 for l in fitter.fit().report["layers"])
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2), ("float16", 4e-3)])
+def test_convert_matches_float64_path(dtype, tol):
+    src_spec = kvbridge.ModelSpec("s", 3, 3, 10, dtype=dtype, rope_base=20000.0)
+    tgt_spec = kvbridge.ModelSpec("t", 2, 1, 6, dtype=dtype, rope_style="interleaved",
+                                  rope_scaling=kvbridge.RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+    fitter = kvbridge.AdapterFitter(src_spec, tgt_spec, source_layers=[[0, 2], [1]])
+    fitter.add(random_kv(src_spec, 203, 1), random_kv(tgt_spec, 203, 2))
+    adapter = fitter.fit()
+    src = random_kv(src_spec, 41, 3, strided=True)
+    fast = adapter.convert(src, start_pos=517)
+    ref = adapter.convert(src, start_pos=517, reference=True)
+    for (k, v), (k0, v0) in zip(fast, ref):
+        assert k.dtype == getattr(torch, dtype) and k.shape == (1, 1, 41, 6)
+        for a, b in ((k, k0), (v, v0)):
+            scale = b.float().abs().max().item()
+            assert scale > 0
+            assert (a.float() - b.float()).abs().max().item() <= tol * scale
+
+
+def test_fit_helper_with_callables(weights):
+    samples = {i: planted_sample(weights, 60, 0, seed=i) for i in range(4)}
+    adapter = kvbridge.fit_adapter(SRC, TGT, lambda i: samples[i][0], lambda i: samples[i][1],
+                                   range(4), progress=False, source_layers="all")
+    assert min(l["r2_value"] for l in adapter.report["layers"]) > 0.9999
+
+
+def test_bad_input():
+    fitter = kvbridge.AdapterFitter(SRC, TGT)
+    with pytest.raises(ValueError, match="held-out"):
+        fitter.fit()
+    src, tgt = random_kv(SRC, 10, 1), random_kv(TGT, 10, 2)
+    with pytest.raises(ValueError, match="layers"):
+        fitter.add(tgt, src)
+    with pytest.raises(ValueError, match="tokens"):
+        fitter.add(src, random_kv(TGT, 9, 2))
+    bad = list(src)
+    bad[1] = (bad[1][0].clone(), bad[1][1].clone())
+    bad[1][1][0, 0, 3, 2] = math.nan
+    with pytest.raises(ValueError, match="NaN"):
+        fitter.add(tuple(bad), tgt)
+    assert fitter.train_tokens + fitter.holdout_tokens == 0
+    with pytest.raises(ValueError, match="source_layers"):
+        kvbridge.AdapterFitter(SRC, TGT, source_layers=[[0]])
+    with pytest.raises(ValueError, match="source_layers"):
+        kvbridge.AdapterFitter(SRC, TGT, source_layers="some")
+    fitter.add(src, tgt)
+    fitter.add(random_kv(SRC, 40, 3), random_kv(TGT, 40, 4))
+    adapter = fitter.fit()
+    with pytest.raises(ValueError, match="layers"):
+        adapter.convert(tgt)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_convert_keeps_device():
+    fitter = kvbridge.AdapterFitter(SRC, TGT, source_layers="all")
+    fitter.add(random_kv(SRC, 50, 1), random_kv(TGT, 50, 2))
+    out = fitter.fit().convert(tuple((k.cuda(), v.cuda()) for k, v in random_kv(SRC, 5, 3)))
+    assert out[0][0].device.type == "cuda"
