@@ -5,7 +5,8 @@
 // compares all three, so neither a hash collision nor another namespace's or model's entry can
 // ever be returned. A trailing partial chunk is never stored.
 //
-// Memory: `capacity_bytes` bounds the accounted bytes (KV payload + 4 bytes per token id + a fixed
+// Memory: `capacity_bytes` bounds the accounted bytes (the KV payload's allocation, rounded up
+// to 64 bytes, or to 2 MiB for payloads of 32 MiB and more, + 4 bytes per token id + a fixed
 // per-entry overhead, see StoreStats) at every instant; space is reserved before an entry is
 // allocated and released when its memory is freed. Eviction is LRU within a shard, shards taken
 // round robin (exact LRU with num_shards = 1). An entry referenced by a live Match is pinned: it
