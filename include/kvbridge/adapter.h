@@ -78,6 +78,17 @@ class LinearAdapter {
   /// double and rounded once at the end.
   void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst) const;
 
+  /// Writes the adapter as a safetensors file (atomically: temporary file, fsync, rename).
+  /// Tensors "layers.{j}.{key,value}.{weight,bias}" (float32) and metadata: format
+  /// "kvbridge.adapter", format_version "1", both ModelSpecs, the layer map, rope settings and
+  /// the fit report (JSON strings). Throws Unavailable on I/O failure.
+  void save(const std::string& path) const;
+  /// Reads and validates a file written by save (or by any safetensors writer with the same
+  /// content). Throws NotFound for a missing file and Corrupt for anything malformed: bad header,
+  /// unknown format or version, specs or layer map that do not parse, missing, extra or
+  /// mis-shaped tensors, non-float32 dtypes, non-finite weights.
+  static LinearAdapter load(const std::string& path);
+
   /// Raw parameters of target layer j: weights [features, kv_heads * head_dim] row-major and bias
   /// [kv_heads * head_dim], float32, for keys (kind 0) or values (kind 1).
   const std::vector<float>& weights(int64_t layer, int kind) const;

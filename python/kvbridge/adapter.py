@@ -1,6 +1,8 @@
 """Linear adapters between two models' KV caches: fitting and conversion."""
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -29,6 +31,15 @@ class LinearAdapter:
     def report(self) -> dict:
         """Held-out R² per target layer for K and V, chosen ridge and source layers, token counts."""
         return self._native.report
+
+    def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        """Writes the adapter as a safetensors file with JSON metadata (atomic)."""
+        self._native.save(os.fspath(path))
+
+    @classmethod
+    def load(cls, path: Union[str, "os.PathLike[str]"]) -> "LinearAdapter":
+        """Reads an adapter file; kvbridge.CorruptError if it is malformed in any way."""
+        return cls(_core.LinearAdapter.load(os.fspath(path)))
 
     def convert(self, source_kv: KVCache, start_pos: int = 0, *,
                 reference: bool = False) -> KVCache:

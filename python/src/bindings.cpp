@@ -258,6 +258,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("source", &LinearAdapter::source)
       .def_property_readonly("target", &LinearAdapter::target)
       .def_property_readonly("report", [](const LinearAdapter& a) { return report_dict(a.report()); })
+      .def("save", &LinearAdapter::save, py::arg("path"))
+      .def_static("load", &LinearAdapter::load, py::arg("path"))
       .def(
           "convert",
           [](const LinearAdapter& a, const std::vector<TensorView>& src_keys,

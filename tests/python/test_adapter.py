@@ -135,3 +135,78 @@ def test_convert_keeps_device():
     fitter.add(random_kv(SRC, 50, 1), random_kv(TGT, 50, 2))
     out = fitter.fit().convert(tuple((k.cuda(), v.cuda()) for k, v in random_kv(SRC, 5, 3)))
     assert out[0][0].device.type == "cuda"
+
+
+@pytest.fixture
+def fitted(weights):
+    fitter = kvbridge.AdapterFitter(SRC, TGT, source_layers=[[0], [0, 1], [1]])
+    for i in range(3):
+        src, tgt = planted_sample(weights, 70, 11 * i, seed=20 + i)
+        fitter.add(src, tgt, start_pos=11 * i)
+    return fitter.fit()
+
+
+def test_save_load_round_trip(fitted, tmp_path):
+    path = tmp_path / "a.safetensors"
+    fitted.save(path)
+    loaded = kvbridge.LinearAdapter.load(path)
+    assert loaded.source == SRC and loaded.target == TGT
+    assert loaded.report == fitted.report
+    src = random_kv(SRC, 9, 5)
+    for (k, v), (k0, v0) in zip(loaded.convert(src, 4), fitted.convert(src, 4)):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_file_is_plain_safetensors(fitted, tmp_path):
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "a.safetensors"
+    fitted.save(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    assert meta["format"] == "kvbridge.adapter" and meta["format_version"] == "1"
+    assert json.loads(meta["layer_map"]) == [[0], [0, 1], [1]]
+    assert json.loads(meta["source_spec"])["fingerprint"] == SRC.fingerprint
+    assert tensors["layers.1.key.weight"].shape == (64, 12)
+    assert tensors["layers.2.value.bias"].shape == (12,)
+    # A file the safetensors package writes from the same content loads and converts the same.
+    other = tmp_path / "b.safetensors"
+    save_file(tensors, str(other), metadata=meta)
+    src = random_kv(SRC, 6, 1)
+    got = kvbridge.LinearAdapter.load(other).convert(src)
+    want = fitted.convert(src)
+    assert all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))
+
+    # Validation: wrong version, bad JSON, missing and mis-shaped tensors are CorruptError.
+    def rewrite(mutate_meta=None, mutate_tensors=None):
+        m, t = dict(meta), dict(tensors)
+        if mutate_meta:
+            mutate_meta(m)
+        if mutate_tensors:
+            mutate_tensors(t)
+        p = tmp_path / "bad.safetensors"
+        save_file(t, str(p), metadata=m)
+        return p
+
+    cases = [
+        (lambda m: m.update(format_version="2"), None, "format_version"),
+        (lambda m: m.update(source_spec="{not json"), None, "source_spec"),
+        (lambda m: m.pop("layer_map"), None, "layer_map"),
+        (lambda m: m.update(layer_map="[[0], [0, 1], [7]]"), None, "layer_map"),
+        (None, lambda t: t.pop("layers.0.key.bias"), "missing"),
+        (None, lambda t: t.update({"layers.0.key.bias": torch.zeros(5)}), "shape"),
+        (None, lambda t: t.update({"layers.0.key.bias": torch.zeros(12, dtype=torch.float64)}), "F32"),
+        (None, lambda t: t.update({"extra": torch.zeros(1)}), "does not use"),
+    ]
+    for mm, mt, needle in cases:
+        with pytest.raises(kvbridge.CorruptError, match=needle):
+            kvbridge.LinearAdapter.load(rewrite(mm, mt))
+    raw = path.read_bytes()
+    (tmp_path / "trunc.safetensors").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(kvbridge.CorruptError):
+        kvbridge.LinearAdapter.load(tmp_path / "trunc.safetensors")
+    with pytest.raises(kvbridge.NotFoundError):
+        kvbridge.LinearAdapter.load(tmp_path / "absent.safetensors")
