@@ -57,6 +57,10 @@ struct ModelSpec {
 };
 
 const char* rope_style_name(RopeStyle style) noexcept;
+/// "none", "linear" or "llama3".
+const char* rope_scaling_type_name(RopeScaling::Type type) noexcept;
+/// The inverse of rope_scaling_type_name; throws InvalidArgument otherwise.
+RopeScaling::Type parse_rope_scaling_type(const std::string& name);
 /// "half" or "interleaved"; throws InvalidArgument otherwise.
 RopeStyle parse_rope_style(const std::string& name);
 

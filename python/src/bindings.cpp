@@ -112,12 +112,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& type, double factor, double low, double high,
                        int64_t original_max_position) {
              RopeScaling s;
-             KVB_CHECK(type == "none" || type == "linear" || type == "llama3",
-                       "rope_scaling.type: expected 'none', 'linear' or 'llama3', got '" << type
-                                                                                         << "'");
-             s.type = type == "none"     ? RopeScaling::Type::kNone
-                      : type == "linear" ? RopeScaling::Type::kLinear
-                                         : RopeScaling::Type::kLlama3;
+             s.type = parse_rope_scaling_type(type);
              s.factor = factor;
              s.low_freq_factor = low;
              s.high_freq_factor = high;
@@ -127,11 +122,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("type") = "none", py::arg("factor") = 1.0, py::arg("low_freq_factor") = 1.0,
            py::arg("high_freq_factor") = 4.0, py::arg("original_max_position") = 8192)
       .def_property_readonly("type",
-                             [](const RopeScaling& s) {
-                               return s.type == RopeScaling::Type::kNone     ? "none"
-                                      : s.type == RopeScaling::Type::kLinear ? "linear"
-                                                                             : "llama3";
-                             })
+                             [](const RopeScaling& s) { return rope_scaling_type_name(s.type); })
       .def_readonly("factor", &RopeScaling::factor)
       .def_readonly("low_freq_factor", &RopeScaling::low_freq_factor)
       .def_readonly("high_freq_factor", &RopeScaling::high_freq_factor)

@@ -18,10 +18,6 @@ using nlohmann::json;
 constexpr const char* kFormat = "kvbridge.adapter";
 constexpr const char* kFormatVersion = "1";
 
-const char* scaling_name(RopeScaling::Type t) {
-  return t == RopeScaling::Type::kNone ? "none" : t == RopeScaling::Type::kLinear ? "linear" : "llama3";
-}
-
 json spec_json(const ModelSpec& s) {
   return json{{"name", s.name},
               {"version", s.version},
@@ -33,7 +29,7 @@ json spec_json(const ModelSpec& s) {
               {"rope_base", s.rope_base},
               {"rope_style", rope_style_name(s.rope_style)},
               {"rope_scaling",
-               {{"type", scaling_name(s.rope_scaling.type)},
+               {{"type", rope_scaling_type_name(s.rope_scaling.type)},
                 {"factor", s.rope_scaling.factor},
                 {"low_freq_factor", s.rope_scaling.low_freq_factor},
                 {"high_freq_factor", s.rope_scaling.high_freq_factor},
@@ -55,12 +51,7 @@ ModelSpec spec_from_json(const json& j, const char* what) {
     s.rope_base = j.at("rope_base").get<double>();
     s.rope_style = parse_rope_style(j.at("rope_style").get<std::string>());
     const json& r = j.at("rope_scaling");
-    const std::string type = r.at("type").get<std::string>();
-    KVB_CHECK(type == "none" || type == "linear" || type == "llama3",
-              "unknown rope_scaling.type '" << type << "'");
-    s.rope_scaling.type = type == "none" ? RopeScaling::Type::kNone
-                          : type == "linear" ? RopeScaling::Type::kLinear
-                                             : RopeScaling::Type::kLlama3;
+    s.rope_scaling.type = parse_rope_scaling_type(r.at("type").get<std::string>());
     s.rope_scaling.factor = r.at("factor").get<double>();
     s.rope_scaling.low_freq_factor = r.at("low_freq_factor").get<double>();
     s.rope_scaling.high_freq_factor = r.at("high_freq_factor").get<double>();

@@ -10,18 +10,6 @@
 namespace kvbridge {
 namespace {
 
-const char* scaling_type_name(RopeScaling::Type type) {
-  switch (type) {
-    case RopeScaling::Type::kNone:
-      return "none";
-    case RopeScaling::Type::kLinear:
-      return "linear";
-    case RopeScaling::Type::kLlama3:
-      return "llama3";
-  }
-  return "unknown";
-}
-
 std::string format_double(double v) {
   char buf[40];
   std::snprintf(buf, sizeof(buf), "%.17g", v);
@@ -44,6 +32,26 @@ void append_field(std::string& out, const std::string& key, const std::string& v
 bool RopeScaling::operator==(const RopeScaling& o) const noexcept {
   return type == o.type && factor == o.factor && low_freq_factor == o.low_freq_factor &&
          high_freq_factor == o.high_freq_factor && original_max_position == o.original_max_position;
+}
+
+const char* rope_scaling_type_name(RopeScaling::Type type) noexcept {
+  switch (type) {
+    case RopeScaling::Type::kNone:
+      return "none";
+    case RopeScaling::Type::kLinear:
+      return "linear";
+    case RopeScaling::Type::kLlama3:
+      return "llama3";
+  }
+  return "unknown";
+}
+
+RopeScaling::Type parse_rope_scaling_type(const std::string& name) {
+  if (name == "none") return RopeScaling::Type::kNone;
+  if (name == "linear") return RopeScaling::Type::kLinear;
+  if (name == "llama3") return RopeScaling::Type::kLlama3;
+  KVB_CHECK(false, "rope_scaling.type: expected 'none', 'linear' or 'llama3', got '" << name << "'");
+  return RopeScaling::Type::kNone;
 }
 
 const char* rope_style_name(RopeStyle style) noexcept {
@@ -89,7 +97,7 @@ std::string ModelSpec::fingerprint() const {
   append_field(enc, "dtype", dtype_name(dtype));
   append_field(enc, "rope_base", format_double(rope_base));
   append_field(enc, "rope_style", rope_style_name(rope_style));
-  append_field(enc, "rope_scaling.type", scaling_type_name(rope_scaling.type));
+  append_field(enc, "rope_scaling.type", rope_scaling_type_name(rope_scaling.type));
   append_field(enc, "rope_scaling.factor", format_double(rope_scaling.factor));
   append_field(enc, "rope_scaling.low_freq_factor", format_double(rope_scaling.low_freq_factor));
   append_field(enc, "rope_scaling.high_freq_factor",
