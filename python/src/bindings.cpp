@@ -167,7 +167,45 @@ PYBIND11_MODULE(_core, m) {
       .def("kv_bytes_per_token", &ModelSpec::kv_bytes_per_token)
       .def(py::self == py::self)
       .def(py::self != py::self)
-      .def("__hash__", [](const ModelSpec& s) { return py::hash(py::str(s.fingerprint())); });
+      .def("__hash__", [](const ModelSpec& s) { return py::hash(py::str(s.fingerprint())); })
+      .def("__repr__", [](const ModelSpec& s) {
+        return "ModelSpec(name=" + py::repr(py::str(s.name)).cast<std::string>() +
+               ", num_layers=" + std::to_string(s.num_layers) +
+               ", num_kv_heads=" + std::to_string(s.num_kv_heads) +
+               ", head_dim=" + std::to_string(s.head_dim) + ", dtype='" + dtype_name(s.dtype) +
+               "', version=" + py::repr(py::str(s.version)).cast<std::string>() +
+               ", fingerprint='" + s.fingerprint() + "')";
+      })
+      .def(py::pickle(
+          [](const ModelSpec& s) {
+            return py::make_tuple(s.name, s.num_layers, s.num_kv_heads, s.head_dim,
+                                  dtype_name(s.dtype), s.version, s.tokenizer, s.rope_base,
+                                  rope_style_name(s.rope_style),
+                                  rope_scaling_type_name(s.rope_scaling.type),
+                                  s.rope_scaling.factor, s.rope_scaling.low_freq_factor,
+                                  s.rope_scaling.high_freq_factor,
+                                  s.rope_scaling.original_max_position);
+          },
+          [](const py::tuple& t) {
+            KVB_CHECK(t.size() == 14, "ModelSpec pickle: expected 14 fields, got " << t.size());
+            ModelSpec s;
+            s.name = t[0].cast<std::string>();
+            s.num_layers = t[1].cast<int64_t>();
+            s.num_kv_heads = t[2].cast<int64_t>();
+            s.head_dim = t[3].cast<int64_t>();
+            s.dtype = parse_dtype(t[4].cast<std::string>());
+            s.version = t[5].cast<std::string>();
+            s.tokenizer = t[6].cast<std::string>();
+            s.rope_base = t[7].cast<double>();
+            s.rope_style = parse_rope_style(t[8].cast<std::string>());
+            s.rope_scaling.type = parse_rope_scaling_type(t[9].cast<std::string>());
+            s.rope_scaling.factor = t[10].cast<double>();
+            s.rope_scaling.low_freq_factor = t[11].cast<double>();
+            s.rope_scaling.high_freq_factor = t[12].cast<double>();
+            s.rope_scaling.original_max_position = t[13].cast<int64_t>();
+            s.validate();
+            return s;
+          }));
 
   py::class_<TensorView>(m, "TensorView")
       .def(py::init(&make_view), py::arg("data"), py::arg("dtype"), py::arg("shape"),

@@ -84,3 +84,12 @@ def test_spec_identity():
     assert a == b and hash(a) == hash(b) and a.fingerprint == b.fingerprint
     assert len({a.fingerprint, c.fingerprint, d.fingerprint}) == 3
     assert a != c and a != d
+
+
+def test_spec_pickle_and_repr():
+    import pickle
+    s = kvbridge.ModelSpec("m", 2, 2, 4, dtype="bfloat16", version="v1", rope_style="interleaved",
+                           rope_scaling=kvbridge.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
+    t = pickle.loads(pickle.dumps(s))
+    assert t == s and t.fingerprint == s.fingerprint
+    assert "name='m'" in repr(s) and s.fingerprint in repr(s)
