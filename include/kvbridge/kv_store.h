@@ -9,7 +9,9 @@
 // to 64 bytes, or to 2 MiB for payloads of 32 MiB and more, + 4 bytes per token id + a fixed
 // per-entry overhead, see StoreStats) at every instant; space is reserved before an entry is
 // allocated and released when its memory is freed. Eviction is LRU within a shard, shards taken
-// round robin (exact LRU with num_shards = 1). An entry referenced by a live Match is pinned: it
+// round robin (exact LRU with num_shards = 1). Up to four freed payloads of 1 MiB or more are kept
+// (and stay accounted) for reuse by the next entry of the same size; they are freed first when
+// room is needed. An entry referenced by a live Match is pinned: it
 // is never evicted, and its bytes stay accounted until the last Match holding it is destroyed.
 #pragma once
 
@@ -32,7 +34,8 @@ struct StoreOptions {
 
 struct StoreStats {
   int64_t capacity_bytes = 0;
-  int64_t bytes_used = 0;       ///< accounted bytes now
+  int64_t bytes_used = 0;       ///< accounted bytes now (entries and recycled_bytes)
+  int64_t recycled_bytes = 0;   ///< freed payload buffers kept for reuse (up to 4, >= 1 MiB each)
   int64_t peak_bytes = 0;       ///< highest bytes_used ever reached (never > capacity_bytes)
   int64_t entries = 0;          ///< chunk entries in the index
   int64_t puts = 0;             ///< put() calls

@@ -33,6 +33,7 @@ py::dict stats_dict(const StoreStats& s) {
   py::dict d;
   d["capacity_bytes"] = s.capacity_bytes;
   d["bytes_used"] = s.bytes_used;
+  d["recycled_bytes"] = s.recycled_bytes;
   d["peak_bytes"] = s.peak_bytes;
   d["entries"] = s.entries;
   d["puts"] = s.puts;

@@ -34,58 +34,61 @@ struct Accountant {
     return true;
   }
   void release(int64_t n) { used.fetch_sub(n, std::memory_order_acq_rel); }
-};
 
-struct FreeDeleter {
-  void operator()(void* p) const noexcept { std::free(p); }
-};
+  // Freed payloads of 1 MiB and more are kept, still accounted, for the next entry of the same
+  // size (all entries of one spec are): fresh memory costs a page fault per 4 KiB on its first
+  // write, which made large puts several times slower than the copy.
+  static constexpr size_t kMinRecycled = size_t{1} << 20;
+  static constexpr size_t kMaxRecycled = 4;
+  std::mutex pool_mu;
+  std::vector<std::pair<size_t, char*>> pool;  // (allocation size, buffer)
+  std::atomic<int64_t> pooled{0};
 
-struct ChunkEntry {
-  Hash128 salt;
-  Hash128 parent;
-  std::vector<uint32_t> tokens;
-  std::unique_ptr<char, FreeDeleter> kv;  // [layers, 2, chunk, kv_heads, head_dim], dense
-  int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
-  DType dtype = DType::kFloat32;
-  int64_t accounted = 0;
-  std::shared_ptr<Accountant> accountant;
-
-  ~ChunkEntry() {
-    if (accounted) accountant->release(accounted);
+  ~Accountant() {
+    for (auto& p : pool) std::free(p.second);
   }
-  KVView view() const {
-    return KVView::contiguous(kv.get(), dtype, Device{}, layers, chunk, kv_heads, head_dim);
-  }
-  bool same_chunk(const Hash128& s, const Hash128& p, const int64_t* ids) const {
-    if (salt != s || parent != p) return false;
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (tokens[i] != static_cast<uint64_t>(ids[i])) return false;
-    }
+  // Keeps `buf` when there is room (its bytes stay accounted); false: the caller frees it.
+  bool recycle(char* buf, size_t size) {
+    if (size < kMinRecycled) return false;
+    std::lock_guard<std::mutex> lock(pool_mu);
+    if (pool.size() >= kMaxRecycled) return false;
+    pool.emplace_back(size, buf);
+    pooled.fetch_add(static_cast<int64_t>(size), std::memory_order_relaxed);
     return true;
   }
-};
-
-}  // namespace detail
-
-using detail::ChunkEntry;
-
-namespace {
-
-struct HashOf {
-  size_t operator()(const Hash128& h) const noexcept { return static_cast<size_t>(h.low ^ h.high); }
-};
-
-struct Slot {
-  std::shared_ptr<ChunkEntry> entry;
-  std::list<Hash128>::iterator lru_pos;
-};
-
-struct Shard {
-  std::mutex mu;
-  std::unordered_map<Hash128, Slot, HashOf> map;
-  std::list<Hash128> lru;  // front: most recently used
-
-  void touch(Slot& slot) { lru.splice(lru.begin(), lru, slot.lru_pos); }
+  // A kept buffer of exactly `size` bytes, its bytes released, or nullptr.
+  char* take(size_t size) {
+    char* buf = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pool_mu);
+      for (size_t i = 0; i < pool.size(); ++i) {
+        if (pool[i].first == size) {
+          buf = pool[i].second;
+          pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
+          break;
+        }
+      }
+    }
+    if (buf) {
+      pooled.fetch_sub(static_cast<int64_t>(size), std::memory_order_relaxed);
+      release(static_cast<int64_t>(size));
+    }
+    return buf;
+  }
+  // Frees one kept buffer to make room; false if there is none.
+  bool drop_one() {
+    std::pair<size_t, char*> victim{0, nullptr};
+    {
+      std::lock_guard<std::mutex> lock(pool_mu);
+      if (pool.empty()) return false;
+      victim = pool.back();
+      pool.pop_back();
+    }
+    std::free(victim.second);
+    pooled.fetch_sub(static_cast<int64_t>(victim.first), std::memory_order_relaxed);
+    release(static_cast<int64_t>(victim.first));
+    return true;
+  }
 };
 
 // Payloads of 32 MiB and more (which glibc always maps fresh, whatever was freed before) are
@@ -111,6 +114,69 @@ char* allocate_payload(size_t payload) {
 #endif
   return static_cast<char*>(p);
 }
+
+
+struct ChunkEntry {
+  Hash128 salt;
+  Hash128 parent;
+  std::vector<uint32_t> tokens;
+  char* kv = nullptr;  // [layers, 2, chunk, kv_heads, head_dim], dense; kv_size bytes allocated
+  size_t kv_size = 0;
+  int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
+  DType dtype = DType::kFloat32;
+  int64_t accounted = 0;
+  std::shared_ptr<Accountant> accountant;
+
+  ChunkEntry() = default;
+  ChunkEntry(const ChunkEntry&) = delete;
+  ChunkEntry& operator=(const ChunkEntry&) = delete;
+  ~ChunkEntry() {
+    int64_t released = accounted;
+    if (kv) {
+      if (accountant->recycle(kv, kv_size)) {
+        released -= static_cast<int64_t>(kv_size);
+      } else {
+        std::free(kv);
+      }
+    }
+    if (released) accountant->release(released);
+  }
+  KVView view() const {
+    return KVView::contiguous(kv, dtype, Device{}, layers, chunk, kv_heads, head_dim);
+  }
+  bool same_chunk(const Hash128& s, const Hash128& p, const int64_t* ids) const {
+    if (salt != s || parent != p) return false;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] != static_cast<uint64_t>(ids[i])) return false;
+    }
+    return true;
+  }
+};
+
+}  // namespace detail
+
+using detail::ChunkEntry;
+using detail::allocate_payload;
+using detail::allocation_size;
+
+namespace {
+
+struct HashOf {
+  size_t operator()(const Hash128& h) const noexcept { return static_cast<size_t>(h.low ^ h.high); }
+};
+
+struct Slot {
+  std::shared_ptr<ChunkEntry> entry;
+  std::list<Hash128>::iterator lru_pos;
+};
+
+struct Shard {
+  std::mutex mu;
+  std::unordered_map<Hash128, Slot, HashOf> map;
+  std::list<Hash128> lru;  // front: most recently used
+
+  void touch(Slot& slot) { lru.splice(lru.begin(), lru, slot.lru_pos); }
+};
 
 int64_t entry_bytes(const ModelSpec& spec, int64_t chunk) {
   const size_t payload = static_cast<size_t>(spec.kv_bytes_per_token() * chunk);
@@ -166,7 +232,7 @@ struct KVStore::Impl {
 
   bool reserve(int64_t bytes) {
     while (!accountant->try_reserve(bytes)) {
-      if (!evict_one()) return false;
+      if (!accountant->drop_one() && !evict_one()) return false;
     }
     return true;
   }
@@ -251,7 +317,9 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
       entry->head_dim = spec.head_dim;
       entry->dtype = spec.dtype;
       const size_t payload = static_cast<size_t>(spec.kv_bytes_per_token() * chunk);
-      entry->kv.reset(allocate_payload(payload));
+      entry->kv_size = allocation_size(payload);
+      entry->kv = m.accountant->take(entry->kv_size);
+      if (!entry->kv) entry->kv = allocate_payload(payload);
       copy_kv(kv.slice_tokens(c * chunk, chunk), entry->view());
 
       std::lock_guard<std::mutex> lock(s.mu);
@@ -360,6 +428,7 @@ StoreStats KVStore::stats() const {
   StoreStats st;
   st.capacity_bytes = m.options.capacity_bytes;
   st.bytes_used = get(m.accountant->used);
+  st.recycled_bytes = get(m.accountant->pooled);
   st.peak_bytes = get(m.accountant->peak);
   st.entries = get(m.entries);
   st.puts = get(m.puts);

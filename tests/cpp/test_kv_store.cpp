@@ -232,3 +232,45 @@ TEST(KVStore, BadInputIsInvalidArgument) {
 
 }  // namespace
 }  // namespace kvbridge
+
+namespace kvbridge {
+namespace {
+
+TEST(KVStore, RecyclesLargePayloadsWithinTheBudget) {
+  // 1 layer x 8 heads x 128 dim x bf16 = 4 KiB per token; 256-token chunks are 1 MiB payloads.
+  ModelSpec spec = testing::small_spec(DType::kBFloat16, 1, 8, 128);
+  StoreOptions o;
+  o.chunk_tokens = 256;
+  o.num_shards = 2;
+  const int64_t entry = (int64_t{1} << 20) + 4 * 256 + StoreStats::kEntryOverheadBytes;
+  o.capacity_bytes = 3 * entry;
+  KVStore store(o);
+  const auto a = testing::random_tokens(256, 1), b = testing::random_tokens(256, 2);
+  testing::DenseKV kv_a(spec, 256, 1), kv_b(spec, 256, 2);
+  store.put(spec, a, kv_a.view);
+  store.erase(spec, a);
+  StoreStats st = store.stats();
+  EXPECT_EQ(st.recycled_bytes, int64_t{1} << 20);
+  EXPECT_EQ(st.bytes_used, int64_t{1} << 20);  // the kept buffer stays accounted
+  store.put(spec, b, kv_b.view);
+  st = store.stats();
+  EXPECT_EQ(st.recycled_bytes, 0);
+  EXPECT_EQ(st.bytes_used, entry);
+  Match m = store.match(spec, b);
+  testing::DenseKV out(spec, 256, 3);
+  m.copy_to(out.view);
+  EXPECT_TRUE(testing::same_elements(out.view, kv_b.view));  // a's old bytes are gone
+  m = Match();
+
+  // Kept buffers give way to new entries before anything is evicted, and never break the budget.
+  for (uint64_t i = 0; i < 20; ++i) {
+    const auto t = testing::random_tokens(256, 10 + i);
+    store.put(spec, t, kv_a.view);
+    if (i % 3 == 0) store.erase(spec, t);
+    ASSERT_LE(store.stats().bytes_used, o.capacity_bytes);
+  }
+  EXPECT_LE(store.stats().peak_bytes, o.capacity_bytes);
+}
+
+}  // namespace
+}  // namespace kvbridge
