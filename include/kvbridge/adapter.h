@@ -107,7 +107,10 @@ class LinearAdapter {
 /// Memory: with F = 2 * source.num_layers * source.num_kv_heads * source.head_dim features and
 /// O = target.num_kv_heads * target.head_dim outputs per map, the accumulators hold
 /// 2 * (F^2 + 2 * target.num_layers * F * O) float64 values (train and held-out parts), whatever
-/// the number of samples. kExplicit with small lists bounds F by the largest list instead.
+/// the number of samples. kExplicit lists bound F by the union of the listed layers instead.
+/// Time: add() is O(tokens * F * (F + 2 * target.num_layers * O)); fit() does one F_S x F_S
+/// eigendecomposition per target layer and candidate layer set S (F_S = 2 * |S| * source width),
+/// so "auto" costs about target.num_layers * source.num_layers * max_source_layers of them.
 class AdapterFitter {
  public:
   /// Throws InvalidArgument for bad specs or options, including accumulators over
