@@ -59,6 +59,12 @@ def check_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     return pairs
 
 
+def host_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """check_kv, then the pairs on the CPU (the same tensors when already there). The caller
+    holds the result while the core reads it: for device tensors these are the only copies."""
+    return [(k.cpu(), v.cpu()) for k, v in check_kv(kv)]
+
+
 def kv_views(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]):
     return [tensor_view(k) for k, _ in pairs], [tensor_view(v) for _, v in pairs]
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 import torch
 
 from kvbridge import _core
-from kvbridge._tensors import KVCache, check_kv, empty_kv, kv_views
+from kvbridge._tensors import KVCache, check_kv, empty_kv, host_kv, kv_views
 
 SourceLayers = Union[str, Sequence[Sequence[int]]]
 
@@ -50,9 +50,8 @@ class LinearAdapter:
         reference: compute in float64 (slow; for validation).
         Returns fresh tensors of the target spec's dtype.
         """
-        pairs = check_kv(source_kv)
-        device = pairs[0][0].device
-        pairs = [(k.cpu(), v.cpu()) for k, v in pairs]
+        device = check_kv(source_kv)[0][0].device
+        pairs = host_kv(source_kv)
         tokens = pairs[0][0].shape[2] if pairs[0][0].dim() == 4 else 0
         out = empty_kv(self.target, tokens)
         src_k, src_v = kv_views(pairs)
@@ -113,8 +112,7 @@ class AdapterFitter:
 
     def add(self, source_kv: KVCache, target_kv: KVCache, start_pos: int = 0) -> None:
         """Adds both models' KV for the same tokens (legacy tuples, any device and strides)."""
-        src = [(k.cpu(), v.cpu()) for k, v in check_kv(source_kv)]
-        tgt = [(k.cpu(), v.cpu()) for k, v in check_kv(target_kv)]
+        src, tgt = host_kv(source_kv), host_kv(target_kv)
         sk, sv = kv_views(src)
         tk, tv = kv_views(tgt)
         self._native.add(sk, sv, tk, tv, int(start_pos))

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Union
 import torch
 
 from kvbridge import _core
-from kvbridge._tensors import KVCache, as_tokens, check_kv, empty_kv, kv_views
+from kvbridge._tensors import KVCache, as_tokens, empty_kv, host_kv, kv_views
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class KVStore:
             spec's dtype, any strides. Tensors on another device are copied to the CPU first.
         """
         ids = as_tokens(tokens)
-        pairs = [(k.cpu(), v.cpu()) for k, v in check_kv(kv)]
+        pairs = host_kv(kv)
         keys, values = kv_views(pairs)
         return self._store.put(spec, ids, keys, values, namespace)
 

@@ -41,7 +41,7 @@ struct Moments {
 };
 
 // Un-rotated (if asked) K then V of one layer, as float64 rows [tokens, 2 * heads * dim].
-MatD layer_features(const ModelSpec& spec, const std::vector<double>& inv_freq, bool rope_aware,
+MatD unrotated_rows(const ModelSpec& spec, const std::vector<double>& inv_freq, bool rope_aware,
                     const KVView& kv, int64_t layer, int64_t start_pos) {
   const int64_t T = kv.tokens(), W = spec.num_kv_heads * spec.head_dim;
   std::vector<float> buf(static_cast<size_t>(T * 2 * W));
@@ -261,11 +261,11 @@ void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos)
   // Everything is computed before anything is accumulated, so a bad sample changes nothing.
   MatD X(T, m.features());
   for (size_t s = 0; s < m.used_layers.size(); ++s)
-    X.middleCols(static_cast<int64_t>(s) * m.layer_features, m.layer_features) = layer_features(
+    X.middleCols(static_cast<int64_t>(s) * m.layer_features, m.layer_features) = unrotated_rows(
         m.source, m.source_inv_freq, m.options.rope_aware, src, m.used_layers[s], start_pos);
   std::vector<MatD> Y;
   for (int64_t j = 0; j < m.target.num_layers; ++j)
-    Y.push_back(layer_features(m.target, m.target_inv_freq, m.options.rope_aware, tgt, j,
+    Y.push_back(unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, tgt, j,
                                start_pos));
 
   std::vector<int64_t> rows[2];
