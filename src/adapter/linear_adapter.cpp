@@ -3,6 +3,7 @@
 #include "kvbridge/adapter.h"
 #include "kvbridge/error.h"
 #include "src/adapter/adapter_impl.h"
+#include "src/adapter/gemm.h"
 #include "src/adapter/numeric.h"
 
 namespace kvbridge {
@@ -24,16 +25,23 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   const bool rope = a.report.rope_aware;
 
   std::vector<RowMat<T>> features(static_cast<size_t>(a.source.num_layers));
-  std::vector<float> buf(static_cast<size_t>(T_ * 2 * sw));
+  std::vector<float> buf(std::is_same_v<T, float> ? 0 : static_cast<size_t>(T_ * 2 * sw));
   for (const auto& layers : a.layers)
     for (int64_t l : layers) {
       RowMat<T>& x = features[static_cast<size_t>(l)];
       if (x.size()) continue;
+      // float: gather straight into the feature matrix; double: through a float buffer.
+      float* gathered = buf.data();
+      if constexpr (std::is_same_v<T, float>) {
+        x.resize(T_, 2 * sw);
+        gathered = x.data();
+      }
       for (int kind = 0; kind < 2; ++kind)
         detail::load_plane(src.plane(l, static_cast<KVView::Kind>(kind)), src.dtype(), T_,
-                           a.source.num_kv_heads, a.source.head_dim, buf.data() + kind * sw,
+                           a.source.num_kv_heads, a.source.head_dim, gathered + kind * sw,
                            2 * sw);
-      x = Eigen::Map<RowMat<float>>(buf.data(), T_, 2 * sw).cast<T>();
+      if constexpr (!std::is_same_v<T, float>)
+        x = Eigen::Map<RowMat<float>>(buf.data(), T_, 2 * sw).cast<T>();
       if (rope)
         detail::apply_rope(a.source, a.source_inv_freq, start_pos, /*inverse=*/true, T_,
                            a.source.num_kv_heads, x.data(), 2 * sw);
@@ -52,7 +60,9 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
         const Eigen::Map<const RowMat<float>> ws(w.data() + static_cast<int64_t>(s) * 2 * sw * tw,
                                                  2 * sw, tw);
         if constexpr (std::is_same_v<T, float>) {
-          y.noalias() += features[static_cast<size_t>(layers[s])] * ws;
+          const RowMat<float>& x = features[static_cast<size_t>(layers[s])];
+          detail::gemm_f32(T_, tw, 2 * sw, x.data(), 2 * sw, ws.data(), tw, y.data(), tw,
+                           /*accumulate=*/true);
         } else {
           y.noalias() += features[static_cast<size_t>(layers[s])] * ws.template cast<T>();
         }

@@ -58,10 +58,14 @@ uint16_t float_to_fp16(float value) noexcept {
 
 namespace {
 
+// Below this many elements a plane pass is too short to be worth waking threads.
+constexpr int64_t kParallelElements = int64_t{1} << 16;
+
 template <typename Load>
 void gather(const KVPlane& p, int64_t es, int64_t tokens, int64_t heads, int64_t dim, float* out,
             int64_t ld, Load load) {
   const char* base = static_cast<const char*>(p.data);
+#pragma omp parallel for schedule(static) if (tokens * heads * dim >= kParallelElements)
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t h = 0; h < heads; ++h) {
       const char* row = base + (t * p.token_stride + h * p.head_stride) * es;
@@ -74,6 +78,7 @@ template <typename Store>
 void scatter(const float* in, int64_t ld, int64_t es, int64_t tokens, int64_t heads, int64_t dim,
              const KVPlane& p, Store store) {
   char* base = static_cast<char*>(p.data);
+#pragma omp parallel for schedule(static) if (tokens * heads * dim >= kParallelElements)
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t h = 0; h < heads; ++h) {
       char* row = base + (t * p.token_stride + h * p.head_stride) * es;
@@ -159,7 +164,10 @@ void rope_impl(const ModelSpec& spec, const std::vector<double>& inv_freq, int64
                bool inverse, int64_t tokens, int64_t heads, T* x, int64_t ld) {
   const int64_t dim = spec.head_dim, half = dim / 2;
   const bool interleaved = spec.rope_style == RopeStyle::kInterleaved;
+#pragma omp parallel if (tokens * heads * dim >= kParallelElements)
+  {
   std::vector<T> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
+#pragma omp for schedule(static)
   for (int64_t t = 0; t < tokens; ++t) {
     const double pos = static_cast<double>(start_pos + t);
     for (int64_t i = 0; i < half; ++i) {
@@ -178,6 +186,7 @@ void rope_impl(const ModelSpec& spec, const std::vector<double>& inv_freq, int64
         b = b0 * c + a0 * s;
       }
     }
+  }
   }
 }
 }  // namespace

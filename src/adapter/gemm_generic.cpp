@@ -1,0 +1,3 @@
+// The generic build of the float32 GEMM (ISA flags set for this file in CMakeLists.txt).
+#define KVB_GEMM_ISA generic
+#include "src/adapter/gemm_kernel.inc"
