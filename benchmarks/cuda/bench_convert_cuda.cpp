@@ -46,20 +46,20 @@ struct Options {
   int64_t check_tokens = 256, start_pos = 0;
 };
 
-[[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr,
+[[noreturn]] void usage(const char* why, int status = 2) {
+  std::fprintf(status ? stderr : stdout,
                "kvbridge_cuda_bench: %s\nusage: kvbridge_cuda_bench [--tokens N] [--layers N] "
                "[--heads N] [--head-dim N] [--sources 1,4] [--iters N] [--warmup N] "
                "[--check-tokens N] [--start-pos N]\n",
                why);
-  std::exit(2);
+  std::exit(status);
 }
 
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") usage("CUDA convert vs cuBLAS GEMMs alone");
+    if (arg == "--help" || arg == "-h") usage("CUDA convert vs cuBLAS GEMMs alone", 0);
     if (i + 1 >= argc) usage(("missing value for " + arg).c_str());
     const std::string value = argv[++i];
     char* end = nullptr;
