@@ -128,8 +128,8 @@ struct RowLaunch {
   dim3 grid, block;
 };
 RowLaunch row_launch(int64_t tokens, int64_t heads, int64_t dim) {
-  KVB_CHECK(heads * dim <= (int64_t{1} << 30), "CUDA convert: kv_heads * head_dim " << heads * dim
-                                                                                 << " is too large");
+  KVB_CHECK(heads * dim <= (int64_t{1} << 30),
+            "CUDA convert: kv_heads * head_dim " << heads * dim << " is too large");
   const int pairs = static_cast<int>(heads * dim);
   const int threads = std::min(256, (pairs + 31) / 32 * 32);
   RowLaunch l;
@@ -146,7 +146,8 @@ void launch_rope_table(const double* inv_freq, int64_t half, int64_t pos0, int64
   const int64_t n = tokens * half;
   if (n == 0) return;
   const int threads = 256;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 4096));
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 4096));
   rope_table_kernel<<<blocks, threads, 0, stream>>>(inv_freq, half, pos0, tokens, table);
   KVB_CUDA_CHECK_LAUNCH();
 }

@@ -38,7 +38,9 @@ if [ -z "${KVBRIDGE_CUBLAS:-}" ]; then
     echo "libcublas.so.13 is on the loader's path"
   else
     dirs="/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib"
-    [ -n "$PY" ] && dirs="$dirs $("$PY" -c "import site; print(' '.join(site.getsitepackages()))" 2>/dev/null)"
+    if [ -n "$PY" ]; then
+      dirs="$dirs $("$PY" -c "import site; print(' '.join(site.getsitepackages()))" 2>/dev/null)"
+    fi
     for d in $dirs; do
       found="$(find "$d" -name libcublas.so.13 2>/dev/null | head -1)"
       if [ -n "$found" ]; then
@@ -75,7 +77,8 @@ fi
 echo "== CUDA tests"
 if [ -x "$TESTS" ]; then
   # ctest's files name absolute paths of the machine that built them.
-  if [ -f "$BUILD/CTestTestfile.cmake" ] && grep -q "$(pwd)/$BUILD" "$BUILD/tests/cuda/"*_tests.cmake 2>/dev/null; then
+  if [ -f "$BUILD/CTestTestfile.cmake" ] &&
+    grep -q "$(pwd)/$BUILD" "$BUILD/tests/cuda/"*_tests.cmake 2>/dev/null; then
     ctest --test-dir "$BUILD" -L cuda --output-on-failure || fail "ctest -L cuda"
   else
     "$TESTS" || fail "kvbridge_cuda_tests"

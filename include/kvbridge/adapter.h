@@ -83,11 +83,12 @@ class LinearAdapter {
   /// CUDA views (device memory of cuda:index, or managed memory): the conversion is enqueued on
   /// cuda_stream and the call returns without waiting for it; src must stay unchanged and dst
   /// must not be read until the stream has reached that point. Nothing is enqueued on other
-  /// streams and nothing synchronises the device, except on the first call for a device, which
-  /// uploads the weights in the source dtype (sum over target layers of
-  /// |source layers| * 2 * source width * 2 * target width elements, plus float32 biases) and
-  /// waits for the copy. The device copy and the workspaces are kept until the adapter is
-  /// destroyed. Safe to call from several threads at once.
+  /// streams and the device is not synchronised, except by allocations: the first call for a
+  /// device uploads the weights in the source dtype (sum over target layers of
+  /// |source layers| * 2 * source width * 2 * target width elements, plus float32 biases) through
+  /// a private stream and waits for that copy. The device copy and the workspaces are kept until
+  /// the adapter is destroyed (which waits for their last use). Safe to call from several
+  /// threads at once.
   /// Work: per block of tokens, one gather per used source layer (keys un-rotated), one cuBLAS
   /// GEMM per target layer (keys and values together; more when its source layers are not
   /// consecutive) with float32 accumulation, and one fused kernel (bias, target RoPE, cast,
@@ -100,7 +101,9 @@ class LinearAdapter {
   /// Workspace: each call in flight holds at most 512 MiB of device scratch (the features of
   /// every used source layer in the source dtype, one target layer's float32 output and the RoPE
   /// tables, for a block of tokens; longer inputs are processed in blocks that fit) plus 32 MiB of
-  /// cuBLAS workspace; workspaces are reused by later calls, stream-ordered.
+  /// cuBLAS workspace; workspaces are reused by later calls, stream-ordered. A call that needs
+  /// more scratch than its workspace holds reallocates it (at least doubling), and cudaFree /
+  /// cudaMalloc may synchronise the device then.
   /// cuBLAS is loaded on first use from libcublas.so.13 (the environment variable KVBRIDGE_CUBLAS
   /// may name the file).
   /// Throws Unavailable when this build has no CUDA path, no CUDA device is present, cuBLAS

@@ -317,7 +317,10 @@ DeviceState& device_state(const LinearAdapter::Impl& a, int device) {
 // and gives it back, with its event recorded on `stream`, when the call is done enqueueing.
 class WorkspaceLease {
  public:
-  WorkspaceLease(DeviceState& state, int64_t scratch_bytes, cudaStream_t stream)
+  // Growth at least doubles (up to `most_bytes`), so inputs that grow a little at a time do not
+  // reallocate on every call.
+  WorkspaceLease(DeviceState& state, int64_t scratch_bytes, int64_t most_bytes,
+                 cudaStream_t stream)
       : state_(state), stream_(stream) {
     {
       std::lock_guard<std::mutex> lock(state.pool_mutex);
@@ -340,10 +343,12 @@ class WorkspaceLease {
     if (ws_->scratch_bytes < scratch_bytes) {
       // Growing: the old buffer may still be in use by the previous call's stream.
       if (ws_->used) KVB_CUDA_CHECK(cudaEventSynchronize(ws_->done.get()));
+      const int64_t bytes =
+          std::max(scratch_bytes, std::min(2 * ws_->scratch_bytes, most_bytes));
       ws_->scratch.reset();
       ws_->scratch_bytes = 0;
-      ws_->scratch = device_alloc(scratch_bytes);
-      ws_->scratch_bytes = scratch_bytes;
+      ws_->scratch = device_alloc(bytes);
+      ws_->scratch_bytes = bytes;
     }
   }
   ~WorkspaceLease() {
@@ -423,7 +428,8 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   const int64_t used = static_cast<int64_t>(state.used.size());
   const int64_t ldf = used * 2 * sw;  // feature row length
   const int64_t per_token = cuda_scratch_bytes_per_token(a.source, a.target, used);
-  const int64_t block = cuda_block_tokens(T, per_token, cuda_scratch_budget().load());
+  const int64_t budget = cuda_scratch_budget().load();
+  const int64_t block = cuda_block_tokens(T, per_token, budget);
   check_int(2 * tw, "2 * target width");
   check_int(ldf, "feature row length");
   check_int(block, "tokens per block");
@@ -432,8 +438,9 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   const int64_t y_bytes = align_up(block * 2 * tw * 4, kAlign);
   const int64_t source_table_bytes = align_up(block * half_s * 8, kAlign);
   const int64_t target_table_bytes = align_up(block * half_t * 8, kAlign);
-  WorkspaceLease lease(state, features_bytes + y_bytes + source_table_bytes + target_table_bytes,
-                       stream);
+  const int64_t scratch_bytes =
+      features_bytes + y_bytes + source_table_bytes + target_table_bytes;
+  WorkspaceLease lease(state, scratch_bytes, std::max(budget + 4 * kAlign, scratch_bytes), stream);
   Workspace& ws = *lease;
   char* scratch = static_cast<char*>(ws.scratch.get());
   char* features = scratch;

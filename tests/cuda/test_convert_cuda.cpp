@@ -66,7 +66,8 @@ struct HostKV {
   HostKV(const ModelSpec& s, int64_t t, Layout layout, int64_t pad, uint32_t seed,
          float value_scale = 1.f)
       : spec(s), tokens(t) {
-    const int64_t H = s.num_kv_heads, D = s.head_dim, es = static_cast<int64_t>(dtype_size(s.dtype));
+    const int64_t H = s.num_kv_heads, D = s.head_dim;
+    const int64_t es = static_cast<int64_t>(dtype_size(s.dtype));
     std::mt19937 rng(seed);
     for (int64_t p = 0; p < 2 * s.num_layers; ++p) {
       KVPlane plane;
@@ -247,8 +248,8 @@ std::vector<Scenario> scenarios(DType dtype) {
   const DType other = dtype == DType::kFloat32    ? DType::kBFloat16
                       : dtype == DType::kBFloat16 ? DType::kFloat16
                                                   : DType::kFloat32;
-  Scenario mixed{"mixed_dtypes", s3, spec("tgt", 2, 3, 6, other, 500000.0, RopeStyle::kHalf, llama3),
-                 {{0, 2}, {2}}};
+  Scenario mixed{"mixed_dtypes", s3,
+                 spec("tgt", 2, 3, 6, other, 500000.0, RopeStyle::kHalf, llama3), {{0, 2}, {2}}};
   mixed.tokens = 53;
   v.push_back(mixed);
   return v;
@@ -420,8 +421,9 @@ TEST_F(CudaTest, BadViews) {
                                d_dst.view()),
                InvalidArgument);
   const Device missing{DeviceType::kCUDA, cuda_device_count()};
-  EXPECT_THROW(adapter.convert(src.view_at(d_src.ptrs, missing), 0, dst.view_at(d_dst.ptrs, missing)),
-               InvalidArgument);
+  EXPECT_THROW(
+      adapter.convert(src.view_at(d_src.ptrs, missing), 0, dst.view_at(d_dst.ptrs, missing)),
+      InvalidArgument);
   // Nothing was written by the rejected calls.
   EXPECT_EQ(d_dst.download().storage, dst.storage);
 }
