@@ -65,17 +65,55 @@ class LinearAdapter {
   const ModelSpec& target() const noexcept;
   const FitReport& report() const noexcept;
 
-  /// Converts a source KV cache to the target's on the CPU.
-  /// src: CPU view matching source() (layers, kv_heads, head_dim, dtype), any strides, tokens at
+  /// Converts a source KV cache to the target's, on the CPU or on a CUDA device (the views'
+  /// device decides). CUDA views use the legacy default stream; see the overload below.
+  /// src: view matching source() (layers, kv_heads, head_dim, dtype), any strides, tokens at
   ///      absolute positions start_pos, start_pos + 1, ...
-  /// dst: CPU view matching target(), same token count; written, never read. Must not overlap src.
-  /// Arithmetic is float32; the result is rounded to the target dtype. Non-finite inputs
-  /// propagate to the outputs of the tokens that contain them (nothing else is affected).
-  /// Throws InvalidArgument for views that do not match.
+  /// dst: view matching target(), same token count and same device as src; written, never read.
+  ///      Must not overlap src. Only the viewed elements are written.
+  /// CPU views: computed before the call returns, with float32 arithmetic; the result is rounded
+  /// to the target dtype.
+  /// Non-finite inputs propagate to the outputs of the tokens that contain them (nothing else is
+  /// affected). Throws InvalidArgument for views that do not match or are on different devices.
   void convert(const KVView& src, int64_t start_pos, const KVView& dst) const;
 
-  /// float64 reference of convert (for tests and validation): same contract, computed in
-  /// double and rounded once at the end.
+  /// As above, with the CUDA stream to use (ignored for CPU views).
+  /// cuda_stream: a cudaStream_t of src's device; nullptr is the legacy default stream.
+  ///
+  /// CUDA views (device memory of cuda:index, or managed memory): the conversion is enqueued on
+  /// cuda_stream and the call returns without waiting for it; src must stay unchanged and dst
+  /// must not be read until the stream has reached that point. Nothing is enqueued on other
+  /// streams and the device is not synchronised, except by allocations: the first call for a
+  /// device uploads the weights in the source dtype (sum over target layers of
+  /// |source layers| * 2 * source width * 2 * target width elements, plus float32 biases) through
+  /// a private stream and waits for that copy. The device copy and the workspaces are kept until
+  /// the adapter is destroyed (which waits for their last use). Safe to call from several
+  /// threads at once.
+  /// Work: per block of tokens, one gather per used source layer (keys un-rotated), one cuBLAS
+  /// GEMM per target layer (keys and values together; more when its source layers are not
+  /// consecutive) with float32 accumulation, and one fused kernel (bias, target RoPE, cast,
+  /// scatter). GEMM inputs have the source dtype: float32 caches use true float32 (no TF32),
+  /// bfloat16 and float16 caches round the un-rotated keys and the weights to that dtype
+  /// (float16 weights scaled by a power of two per target layer, so their range is not a
+  /// concern). Against the CPU path the results agree within 1e-4 (float32), 2e-2 (bfloat16)
+  /// and 4e-3 (float16) of the largest output magnitude per plane, as the CPU path agrees with
+  /// convert_reference.
+  /// Workspace: each call in flight holds at most 512 MiB of device scratch (the features of
+  /// every used source layer in the source dtype, one target layer's float32 output and the RoPE
+  /// tables, for a block of tokens; longer inputs are processed in blocks that fit) plus 32 MiB of
+  /// cuBLAS workspace; workspaces are reused by later calls, stream-ordered. A call that needs
+  /// more scratch than its workspace holds reallocates it (at least doubling), and cudaFree /
+  /// cudaMalloc may synchronise the device then.
+  /// cuBLAS is loaded on first use from libcublas.so.13 (the environment variable KVBRIDGE_CUBLAS
+  /// may name the file).
+  /// Throws Unavailable when this build has no CUDA path, no CUDA device is present, cuBLAS
+  /// cannot be loaded, or a CUDA or cuBLAS call fails; InvalidArgument for views that do not
+  /// match, a device index that does not exist, or planes that are not device memory of src's
+  /// device. Views that do not match are rejected before any memory is touched.
+  void convert(const KVView& src, int64_t start_pos, const KVView& dst, void* cuda_stream) const;
+
+  /// float64 reference of convert (for tests and validation): same contract for CPU views,
+  /// computed in double and rounded once at the end. Throws InvalidArgument for CUDA views.
   void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst) const;
 
   /// Writes the adapter as a safetensors file (atomically: temporary file, fsync, rename).

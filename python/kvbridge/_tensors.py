@@ -69,8 +69,9 @@ def kv_views(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]):
     return [tensor_view(k) for k, _ in pairs], [tensor_view(v) for _, v in pairs]
 
 
-def empty_kv(spec: _core.ModelSpec, tokens: int) -> KVCache:
+def empty_kv(spec: _core.ModelSpec, tokens: int, device: Any = None) -> KVCache:
     dtype = _TORCH_DTYPES[spec.dtype]
     shape = (1, spec.num_kv_heads, tokens, spec.head_dim)
-    return tuple((torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+    return tuple((torch.empty(shape, dtype=dtype, device=device),
+                  torch.empty(shape, dtype=dtype, device=device))
                  for _ in range(spec.num_layers))

@@ -46,13 +46,29 @@ class LinearAdapter:
         """The target model's KV for the same tokens, on the input's device.
 
         source_kv: legacy tuple of the source model, [1, kv_heads, tokens, head_dim] per tensor,
-            the source spec's dtype, tokens at absolute positions start_pos, start_pos + 1, ...
-        reference: compute in float64 (slow; for validation).
-        Returns fresh tensors of the target spec's dtype.
+            the source spec's dtype, any strides, all on one device, tokens at absolute positions
+            start_pos, start_pos + 1, ...
+        reference: compute in float64 on the CPU (slow; for validation); CUDA inputs are copied
+            to the host and the result back.
+        Returns fresh tensors of the target spec's dtype on the input's device.
+
+        CUDA tensors stay on their device: the conversion runs there (cuBLAS GEMMs with float32
+        accumulation and fused RoPE/cast/layout kernels), enqueued on torch's current stream of
+        that device, so it is ordered like any torch operation on that stream and the call does
+        not wait for it. If the native core has no CUDA path (``kvbridge.cuda_device_count()``
+        is 0, e.g. a build without CUDA), CUDA tensors go through host copies and the CPU path.
         """
-        device = check_kv(source_kv)[0][0].device
-        pairs = host_kv(source_kv)
+        pairs = check_kv(source_kv)
+        device = pairs[0][0].device
         tokens = pairs[0][0].shape[2] if pairs[0][0].dim() == 4 else 0
+        if device.type == "cuda" and not reference and _core.cuda_device_count() > 0:
+            out = empty_kv(self.target, tokens, device=device)
+            src_k, src_v = kv_views(pairs)
+            dst_k, dst_v = kv_views(out)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            self._native.convert(src_k, src_v, int(start_pos), dst_k, dst_v, False, stream)
+            return out
+        pairs = host_kv(pairs)
         out = empty_kv(self.target, tokens)
         src_k, src_v = kv_views(pairs)
         dst_k, dst_v = kv_views(out)

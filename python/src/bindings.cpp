@@ -295,18 +295,18 @@ PYBIND11_MODULE(_core, m) {
           [](const LinearAdapter& a, const std::vector<TensorView>& src_keys,
              const std::vector<TensorView>& src_values, int64_t start_pos,
              const std::vector<TensorView>& dst_keys, const std::vector<TensorView>& dst_values,
-             bool reference) {
+             bool reference, uintptr_t stream) {
             const KVView src = KVView::from_hf_layers(src_keys, src_values);
             const KVView dst = KVView::from_hf_layers(dst_keys, dst_values);
             py::gil_scoped_release release;
             if (reference) {
               a.convert_reference(src, start_pos, dst);
             } else {
-              a.convert(src, start_pos, dst);
+              a.convert(src, start_pos, dst, reinterpret_cast<void*>(stream));
             }
           },
           py::arg("src_keys"), py::arg("src_values"), py::arg("start_pos"), py::arg("dst_keys"),
-          py::arg("dst_values"), py::arg("reference") = false);
+          py::arg("dst_values"), py::arg("reference") = false, py::arg("stream") = 0);
 
   py::class_<AdapterFitter>(m, "AdapterFitter")
       .def(py::init<const ModelSpec&, const ModelSpec&, const FitOptions&>(), py::arg("source"),

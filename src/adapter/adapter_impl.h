@@ -2,11 +2,20 @@
 #pragma once
 
 #include <array>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "kvbridge/adapter.h"
 
 namespace kvbridge {
+
+/// The CUDA path's per-device state (src/adapter/convert_cuda.cpp): weights uploaded on first use
+/// of a device and reusable workspaces. Builds without CUDA never create one.
+struct CudaCache;
+struct CudaCacheDeleter {
+  void operator()(CudaCache* cache) const noexcept;  // frees the device memory
+};
 
 struct LinearAdapter::Impl {
   ModelSpec source, target;
@@ -16,6 +25,10 @@ struct LinearAdapter::Impl {
   /// [features, outputs] row-major and bias [outputs].
   std::vector<std::vector<int64_t>> layers;
   std::vector<std::array<std::vector<float>, 2>> weights, bias;
+  /// Created by the first convert of CUDA views; cuda_mutex guards the pointer and the map of
+  /// devices inside it.
+  mutable std::mutex cuda_mutex;
+  mutable std::unique_ptr<CudaCache, CudaCacheDeleter> cuda_cache;
 
   int64_t source_width() const { return source.num_kv_heads * source.head_dim; }
   int64_t target_width() const { return target.num_kv_heads * target.head_dim; }

@@ -3,6 +3,7 @@
 #include "kvbridge/adapter.h"
 #include "kvbridge/error.h"
 #include "src/adapter/adapter_impl.h"
+#include "src/adapter/convert_cuda.h"
 #include "src/adapter/gemm.h"
 #include "src/adapter/numeric.h"
 
@@ -99,6 +100,20 @@ const std::vector<float>& LinearAdapter::bias(int64_t layer, int kind) const {
 }
 
 void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst) const {
+  convert(src, start_pos, dst, nullptr);
+}
+
+void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst,
+                            void* cuda_stream) const {
+  KVB_CHECK(src.device() == dst.device(),
+            "source_kv and target_kv must be on one device, got "
+                << (src.device().type == DeviceType::kCUDA ? "cuda:" : "cpu:") << src.device().index
+                << " and " << (dst.device().type == DeviceType::kCUDA ? "cuda:" : "cpu:")
+                << dst.device().index);
+  if (src.device().type == DeviceType::kCUDA) {
+    detail::convert_cuda(*impl_, src, start_pos, dst, cuda_stream);
+    return;
+  }
   convert_impl<float>(*impl_, src, start_pos, dst);
 }
 

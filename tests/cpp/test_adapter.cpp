@@ -261,6 +261,51 @@ TEST_P(ConvertVsReference, StridedOddSizes) {
 INSTANTIATE_TEST_SUITE_P(DTypes, ConvertVsReference,
                          ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16));
 
+// CUDA views where no CUDA path can run them (no device here, or a build without CUDA) are
+// refused with Unavailable before any of their memory is touched: the pointers are fake.
+TEST(ConvertDevice, CudaViewsWithoutDeviceAreUnavailable) {
+  PlantedPair pair;
+  FitOptions o;
+  o.selection = FitOptions::Selection::kAll;
+  AdapterFitter fitter(pair.source, pair.target, o);
+  FloatKV fs(pair.source, 40), ft(pair.target, 40);
+  std::mt19937 rng(2);
+  fill_position_free(fs, rng);
+  fill_position_free(ft, rng);
+  fitter.add(fs.view(), ft.view());
+  const LinearAdapter adapter = fitter.fit();
+
+  const Device cuda{DeviceType::kCUDA, 0};
+  auto fake = [&](const ModelSpec& s, uintptr_t base) {
+    return KVView::contiguous(reinterpret_cast<void*>(base), s.dtype, cuda, s.num_layers, 7,
+                              s.num_kv_heads, s.head_dim);
+  };
+  const KVView src = fake(pair.source, 0x1000), dst = fake(pair.target, 0x100000);
+  if (cuda_device_count() == 0) {
+    EXPECT_THROW(adapter.convert(src, 0, dst), Unavailable);
+    EXPECT_THROW(adapter.convert(src, 0, dst, nullptr), Unavailable);
+    try {
+      adapter.convert(src, 3, dst);
+    } catch (const Unavailable& e) {
+      EXPECT_NE(std::string(e.what()).find("cuda:0"), std::string::npos) << e.what();
+    }
+  } else {
+    // With a device the fake addresses are recognised as not being device memory.
+    EXPECT_THROW(adapter.convert(src, 0, dst), InvalidArgument);
+  }
+  // Whatever the build: mixed devices and the float64 reference on CUDA views are bad arguments.
+  FloatKV out(pair.target, 7), in(pair.source, 7);
+  EXPECT_THROW(adapter.convert(src, 0, out.view()), InvalidArgument);
+  EXPECT_THROW(adapter.convert(in.view(), 0, dst), InvalidArgument);
+  EXPECT_THROW(adapter.convert_reference(src, 0, dst), InvalidArgument);
+  // The stream overload on CPU views is the CPU path (the stream is ignored).
+  fill_position_free(in, rng);
+  FloatKV a(pair.target, 7), b(pair.target, 7);
+  adapter.convert(in.view(), 5, a.view());
+  adapter.convert(in.view(), 5, b.view(), reinterpret_cast<void*>(0x1234));
+  EXPECT_EQ(a.data, b.data);
+}
+
 TEST(AdapterFitter, BadInput) {
   PlantedPair pair;
   FitOptions o;
