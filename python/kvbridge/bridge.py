@@ -74,7 +74,8 @@ class Bridge:
         differ or are empty, or when the pair is already registered and `replace` is False.
         """
         if not isinstance(adapter, LinearAdapter):
-            raise TypeError(f"adapter: expected a kvbridge.LinearAdapter, got {type(adapter).__name__}")
+            raise TypeError("adapter: expected a kvbridge.LinearAdapter, got "
+                            f"{type(adapter).__name__}")
         self._native.add_adapter(adapter._native, bool(replace))
 
     def remove_adapter(self, source: _core.ModelSpec, target: _core.ModelSpec) -> bool:
