@@ -254,6 +254,23 @@ TEST_F(BridgeTest, ConvertedEqualsAdapterConvertAndWritesBack) {
   EXPECT_GT(s.lookup_seconds, 0);
 }
 
+TEST_F(BridgeTest, WithoutWriteBackEveryLoadConverts) {
+  KVStore store(store_options());
+  BridgeOptions options;
+  options.write_back = false;
+  Bridge bridge(store, options);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(35, 18);
+  FloatKV src(*src_, 35);
+  src.randomize(28);
+  bridge.save(*src_, tokens, src.view());
+  EXPECT_TRUE(bridge.load(*tgt_, tokens).converted());
+  EXPECT_TRUE(bridge.load(*tgt_, tokens).converted());
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 0);
+  EXPECT_EQ(bridge.stats().conversions, 2);
+  EXPECT_EQ(bridge.stats().written_back_tokens, 0);
+}
+
 TEST_F(BridgeTest, NativeWinsOverEqualConvertedPrefix) {
   KVStore store(store_options());
   Bridge bridge(store);
