@@ -17,6 +17,7 @@ cmake --install build/cpp >/dev/null
 cmake -S examples/cpp -B build/example -G Ninja -DCMAKE_PREFIX_PATH="$ROOT/build/install" >/dev/null
 cmake --build build/example -j "$JOBS" >/dev/null
 build/example/store_example
+build/example/bridge_example
 
 echo "== Python tests"
 install_python_package

@@ -15,18 +15,21 @@ from kvbridge._core import (
 )
 from kvbridge._core import version as _version
 from kvbridge.adapter import AdapterFitter, LinearAdapter, fit_adapter
+from kvbridge.bridge import Bridge, Load
 from kvbridge.store import KVStore, Match, prefix_hashes
 
 __version__ = _version()
 
 __all__ = [
     "AdapterFitter",
+    "Bridge",
     "LinearAdapter",
     "fit_adapter",
     "CorruptError",
     "Error",
     "InvalidArgumentError",
     "KVStore",
+    "Load",
     "Match",
     "ModelSpec",
     "NotFoundError",

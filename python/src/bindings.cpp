@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bind_bridge.h"
 #include "kvbridge/kvbridge.h"
 
 namespace py = pybind11;
@@ -284,7 +285,8 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("seed", &FitOptions::seed)
       .def_readwrite("max_memory_bytes", &FitOptions::max_memory_bytes);
 
-  py::class_<LinearAdapter>(m, "LinearAdapter")
+  // Shared: a Bridge holds the adapters registered with it.
+  py::class_<LinearAdapter, std::shared_ptr<LinearAdapter>>(m, "LinearAdapter")
       .def_property_readonly("source", &LinearAdapter::source)
       .def_property_readonly("target", &LinearAdapter::target)
       .def_property_readonly("report", [](const LinearAdapter& a) { return report_dict(a.report()); })
@@ -340,4 +342,6 @@ PYBIND11_MODULE(_core, m) {
         return out;
       },
       py::arg("spec"), py::arg("tokens"), py::arg("namespace"), py::arg("chunk_tokens"));
+
+  python::bind_bridge(m);
 }

@@ -1,0 +1,530 @@
+// Bridge: native vs converted loads, write-back, quality gate, tokenizer and namespace isolation,
+// the last-token rule, validation and stats. Adapters are fitted on planted linear maps through
+// RoPE; the KV the bridge converts is fresh seeded random data.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <thread>
+
+#include "src/adapter/numeric.h"
+#include "test_util.h"
+
+namespace kvbridge {
+namespace {
+
+ModelSpec spec_of(const char* name, int64_t layers, int64_t heads, int64_t dim, double base,
+                  const char* tokenizer = "tok") {
+  ModelSpec s = testing::small_spec(DType::kFloat32, layers, heads, dim);
+  s.name = name;
+  s.rope_base = base;
+  s.tokenizer = tokenizer;
+  return s;
+}
+
+// float32 KV of one sequence. Stored as Hugging Face per-layer tensors [1, heads, tokens, dim]
+// with `pad` spare elements after each row, so views of it are strided.
+struct FloatKV {
+  ModelSpec spec;
+  int64_t tokens, pad;
+  std::vector<std::vector<float>> planes;  // 2 per layer, K then V
+  FloatKV(const ModelSpec& s, int64_t t, int64_t p = 0) : spec(s), tokens(t), pad(p) {
+    planes.assign(static_cast<size_t>(2 * s.num_layers),
+                  std::vector<float>(static_cast<size_t>(s.num_kv_heads * t * (s.head_dim + p))));
+  }
+  float& at(int64_t layer, int kind, int64_t t, int64_t h, int64_t d) {
+    return planes[static_cast<size_t>(2 * layer + kind)]
+                 [static_cast<size_t>((h * tokens + t) * (spec.head_dim + pad) + d)];
+  }
+  void randomize(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> dist(0.f, 1.f);
+    for (auto& p : planes)
+      for (auto& v : p) v = dist(rng);
+  }
+  KVView view() {
+    std::vector<TensorView> keys, values;
+    const int64_t row = spec.head_dim + pad;
+    for (size_t i = 0; i < planes.size(); ++i) {
+      TensorView t;
+      t.data = planes[i].data();
+      t.shape = {1, spec.num_kv_heads, tokens, spec.head_dim};
+      t.strides = {spec.num_kv_heads * tokens * row, tokens * row, row, 1};
+      (i % 2 == 0 ? keys : values).push_back(t);
+    }
+    return KVView::from_hf_layers(keys, values);
+  }
+};
+
+// Reads `view` (float32) into a dense [layers, 2, tokens, heads, dim] vector.
+std::vector<float> dense(const KVView& view) {
+  std::vector<float> out(static_cast<size_t>(2 * view.num_layers() * view.tokens() *
+                                             view.kv_heads() * view.head_dim()));
+  copy_kv(view, KVView::contiguous(out.data(), DType::kFloat32, {}, view.num_layers(),
+                                   view.tokens(), view.kv_heads(), view.head_dim()));
+  return out;
+}
+
+std::vector<float> load_kv(const Load& load, const ModelSpec& spec) {
+  std::vector<float> out(static_cast<size_t>(2 * spec.num_layers * load.tokens() *
+                                             spec.num_kv_heads * spec.head_dim));
+  load.copy_to(KVView::contiguous(out.data(), DType::kFloat32, {}, spec.num_layers,
+                                  load.tokens(), spec.num_kv_heads, spec.head_dim));
+  return out;
+}
+
+// The target's KV for `src_view` converted by `adapter` at start_pos (float32 or float64 path).
+std::vector<float> converted(const LinearAdapter& adapter, const KVView& src_view,
+                             int64_t start_pos, bool reference) {
+  const ModelSpec& t = adapter.target();
+  std::vector<float> out(static_cast<size_t>(2 * t.num_layers * src_view.tokens() *
+                                             t.num_kv_heads * t.head_dim));
+  const KVView dst = KVView::contiguous(out.data(), DType::kFloat32, {}, t.num_layers,
+                                        src_view.tokens(), t.num_kv_heads, t.head_dim);
+  if (reference) {
+    adapter.convert_reference(src_view, start_pos, dst);
+  } else {
+    adapter.convert(src_view, start_pos, dst);
+  }
+  return out;
+}
+
+// Tokens [begin, begin + count) of a dense [layers, 2, tokens, heads, dim] vector.
+std::vector<float> token_range(const std::vector<float>& kv, const ModelSpec& s, int64_t tokens,
+                               int64_t begin, int64_t count) {
+  const int64_t row = s.num_kv_heads * s.head_dim;
+  std::vector<float> out;
+  for (int64_t p = 0; p < 2 * s.num_layers; ++p)
+    out.insert(out.end(), kv.begin() + (p * tokens + begin) * row,
+               kv.begin() + (p * tokens + begin + count) * row);
+  return out;
+}
+
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
+  }
+  return worst / std::max(scale, 1e-30);
+}
+
+// Fits source -> target on planted affine maps (every source layer feeds every target layer),
+// keys rotated with each model's RoPE. noise: the target is independent noise instead (R² ~ 0).
+std::shared_ptr<const LinearAdapter> fit_planted(const ModelSpec& source, const ModelSpec& target,
+                                                 uint64_t seed, bool noise = false) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  const int64_t sw = source.num_kv_heads * source.head_dim;
+  const int64_t tw = target.num_kv_heads * target.head_dim;
+  const int64_t features = 2 * source.num_layers * sw;
+  std::vector<float> w(static_cast<size_t>(2 * target.num_layers * features * tw));
+  for (auto& v : w) v = 0.3f * dist(rng);
+  FitOptions options;
+  options.selection = FitOptions::Selection::kAll;
+  AdapterFitter fitter(source, target, options);
+  const auto src_inv = detail::rope_inv_freq(source), tgt_inv = detail::rope_inv_freq(target);
+  for (int sample = 0; sample < 4; ++sample) {
+    const int64_t T = 101, start = 11 + 300 * sample;
+    FloatKV src(source, T), tgt(target, T);
+    std::vector<float> x(static_cast<size_t>(T * features));  // position-free source features
+    for (auto& v : x) v = dist(rng);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t l = 0; l < source.num_layers; ++l)
+        for (int k = 0; k < 2; ++k)
+          for (int64_t f = 0; f < sw; ++f)
+            src.at(l, k, t, f / source.head_dim, f % source.head_dim) =
+                x[static_cast<size_t>(t * features + (2 * l + k) * sw + f)];
+      for (int64_t j = 0; j < target.num_layers; ++j)
+        for (int k = 0; k < 2; ++k)
+          for (int64_t o = 0; o < tw; ++o) {
+            double acc = 0.5;
+            if (noise) {
+              acc = dist(rng);
+            } else {
+              const float* wj = &w[static_cast<size_t>((2 * j + k) * features * tw)];
+              for (int64_t f = 0; f < features; ++f)
+                acc += static_cast<double>(x[static_cast<size_t>(t * features + f)]) *
+                       wj[f * tw + o];
+            }
+            tgt.at(j, k, t, o / target.head_dim, o % target.head_dim) = static_cast<float>(acc);
+          }
+    }
+    // Planes are [heads, tokens, dim]: rotate each head's [tokens, dim] block.
+    for (int64_t l = 0; l < source.num_layers; ++l)
+      for (int64_t h = 0; h < source.num_kv_heads; ++h)
+        detail::apply_rope(source, src_inv, start, false, T, 1, &src.at(l, 0, 0, h, 0),
+                           source.head_dim);
+    for (int64_t j = 0; j < target.num_layers; ++j)
+      for (int64_t h = 0; h < target.num_kv_heads; ++h)
+        detail::apply_rope(target, tgt_inv, start, false, T, 1, &tgt.at(j, 0, 0, h, 0),
+                           target.head_dim);
+    fitter.add(src.view(), tgt.view(), start);
+  }
+  return std::make_shared<const LinearAdapter>(fitter.fit());
+}
+
+class BridgeTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    src_ = new ModelSpec(spec_of("src", 3, 2, 8, 10000.0));
+    src2_ = new ModelSpec(spec_of("src2", 2, 1, 4, 20000.0));
+    tgt_ = new ModelSpec(spec_of("tgt", 2, 3, 6, 50000.0));
+    good_ = new std::shared_ptr<const LinearAdapter>(fit_planted(*src_, *tgt_, 1));
+    good2_ = new std::shared_ptr<const LinearAdapter>(fit_planted(*src2_, *tgt_, 2));
+    bad_ = new std::shared_ptr<const LinearAdapter>(fit_planted(*src_, *tgt_, 3, true));
+  }
+  static void TearDownTestSuite() {
+    delete src_;
+    delete src2_;
+    delete tgt_;
+    delete good_;
+    delete good2_;
+    delete bad_;
+  }
+
+  StoreOptions store_options() const {
+    StoreOptions o;
+    o.capacity_bytes = 64 << 20;
+    o.chunk_tokens = 16;
+    o.num_shards = 4;
+    return o;
+  }
+
+  static ModelSpec *src_, *src2_, *tgt_;
+  static std::shared_ptr<const LinearAdapter> *good_, *good2_, *bad_;
+};
+ModelSpec *BridgeTest::src_, *BridgeTest::src2_, *BridgeTest::tgt_;
+std::shared_ptr<const LinearAdapter> *BridgeTest::good_, *BridgeTest::good2_, *BridgeTest::bad_;
+
+// Planted data must give a near-perfect and a useless adapter, or the gate tests mean nothing.
+TEST_F(BridgeTest, FittedAdaptersHaveExpectedQuality) {
+  EXPECT_GT(Bridge::quality(**good_), 0.999);
+  EXPECT_GT(Bridge::quality(**good2_), 0.999);
+  EXPECT_LT(Bridge::quality(**bad_), 0.2);
+  double lowest = 1;
+  for (const LayerFit& l : (*good_)->report().layers)
+    lowest = std::min({lowest, l.r2_key, l.r2_value});
+  EXPECT_EQ(Bridge::quality(**good_), lowest);
+}
+
+TEST_F(BridgeTest, ConvertedEqualsAdapterConvertAndWritesBack) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(53, 7);
+  FloatKV src(*src_, 53, 3);
+  src.randomize(11);
+  EXPECT_EQ(bridge.save(*src_, tokens, src.view()), 48);
+
+  const Load first = bridge.load(*tgt_, tokens);
+  ASSERT_TRUE(first);
+  EXPECT_TRUE(first.converted());
+  EXPECT_EQ(first.tokens(), 48);
+  EXPECT_EQ(first.native_tokens(), 0);
+  EXPECT_EQ(first.source(), "src");
+  EXPECT_EQ(first.quality(), Bridge::quality(**good_));
+  const std::vector<float> got = load_kv(first, *tgt_);
+  const KVView src48 = src.view().slice_tokens(0, 48);
+  // The bridge runs the same float32 convert on the same stored bytes: identical results.
+  EXPECT_EQ(got, converted(**good_, src48, 0, false));
+  // Against the float64 reference: float32 arithmetic over 96 features, unit-scale data.
+  EXPECT_LT(max_rel_diff(got, converted(**good_, src48, 0, true)), 1e-5);
+
+  const Load second = bridge.load(*tgt_, tokens);
+  EXPECT_FALSE(second.converted());
+  EXPECT_EQ(second.tokens(), 48);
+  EXPECT_EQ(second.native_tokens(), 48);
+  EXPECT_EQ(second.source(), "tgt");
+  EXPECT_TRUE(std::isnan(second.quality()));
+  EXPECT_EQ(load_kv(second, *tgt_), got);
+
+  const BridgeStats s = bridge.stats();
+  EXPECT_EQ(s.saves, 1);
+  EXPECT_EQ(s.loads, 2);
+  EXPECT_EQ(s.converted_hits, 1);
+  EXPECT_EQ(s.native_hits, 1);
+  EXPECT_EQ(s.misses, 0);
+  EXPECT_EQ(s.conversions, 1);
+  EXPECT_EQ(s.converted_tokens, 48);
+  EXPECT_EQ(s.native_tokens, 48);
+  EXPECT_EQ(s.written_back_tokens, 48);
+  EXPECT_GT(s.convert_seconds, 0);
+  EXPECT_GT(s.lookup_seconds, 0);
+}
+
+TEST_F(BridgeTest, WithoutWriteBackEveryLoadConverts) {
+  KVStore store(store_options());
+  BridgeOptions options;
+  options.write_back = false;
+  Bridge bridge(store, options);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(35, 18);
+  FloatKV src(*src_, 35);
+  src.randomize(28);
+  bridge.save(*src_, tokens, src.view());
+  EXPECT_TRUE(bridge.load(*tgt_, tokens).converted());
+  EXPECT_TRUE(bridge.load(*tgt_, tokens).converted());
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 0);
+  EXPECT_EQ(bridge.stats().conversions, 2);
+  EXPECT_EQ(bridge.stats().written_back_tokens, 0);
+}
+
+TEST_F(BridgeTest, NativeWinsOverEqualConvertedPrefix) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(40, 8);
+  FloatKV src(*src_, 40), tgt(*tgt_, 40, 1);
+  src.randomize(12);
+  tgt.randomize(13);
+  bridge.save(*src_, tokens, src.view());
+  bridge.save(*tgt_, tokens, tgt.view());
+  const Load load = bridge.load(*tgt_, tokens);
+  EXPECT_FALSE(load.converted());
+  EXPECT_EQ(load.tokens(), 32);
+  EXPECT_EQ(load_kv(load, *tgt_), dense(tgt.view().slice_tokens(0, 32)));
+  EXPECT_EQ(bridge.stats().conversions, 0);
+}
+
+// A longer convertible prefix beats a shorter native one; only the missing suffix is converted
+// (at its absolute positions), and that equals converting everything and keeping the tail.
+TEST_F(BridgeTest, LongerConvertedPrefixExtendsNativeOne) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(61, 9);
+  FloatKV src(*src_, 61, 2), tgt(*tgt_, 61);
+  src.randomize(14);
+  tgt.randomize(15);
+  bridge.save(*src_, tokens, src.view());
+  const std::vector<int64_t> head(tokens.begin(), tokens.begin() + 20);
+  bridge.save(*tgt_, head, tgt.view().slice_tokens(0, 20));  // caches 16 tokens
+
+  const Load load = bridge.load(*tgt_, tokens);
+  ASSERT_TRUE(load.converted());
+  EXPECT_EQ(load.tokens(), 48);
+  EXPECT_EQ(load.native_tokens(), 16);
+  const std::vector<float> got = load_kv(load, *tgt_);
+  EXPECT_EQ(token_range(got, *tgt_, 48, 0, 16), dense(tgt.view().slice_tokens(0, 16)));
+  const std::vector<float> tail = token_range(got, *tgt_, 48, 16, 32);
+  EXPECT_EQ(tail, converted(**good_, src.view().slice_tokens(16, 32), 16, false));
+  const std::vector<float> whole = converted(**good_, src.view().slice_tokens(0, 48), 0, true);
+  EXPECT_LT(max_rel_diff(tail, token_range(whole, *tgt_, 48, 16, 32)), 1e-5);
+  EXPECT_EQ(bridge.stats().converted_tokens, 32);
+  EXPECT_EQ(bridge.stats().written_back_tokens, 32);
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 48);
+}
+
+TEST_F(BridgeTest, LongestSourceWinsAmongAdapters) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  bridge.add_adapter(*good2_);
+  const auto tokens = testing::random_tokens(70, 10);
+  FloatKV a(*src_, 40), b(*src2_, 70);
+  a.randomize(16);
+  b.randomize(17);
+  const std::vector<int64_t> first40(tokens.begin(), tokens.begin() + 40);
+  bridge.save(*src_, first40, a.view());
+  bridge.save(*src2_, tokens, b.view());
+  const Load load = bridge.load(*tgt_, tokens);
+  EXPECT_EQ(load.source(), "src2");
+  EXPECT_EQ(load.tokens(), 64);
+  EXPECT_EQ(load_kv(load, *tgt_), converted(**good2_, b.view().slice_tokens(0, 64), 0, false));
+}
+
+TEST_F(BridgeTest, QualityGate) {
+  KVStore store(store_options());
+  Bridge bridge(store);  // default min_quality 0.5
+  bridge.add_adapter(*bad_);
+  const auto tokens = testing::random_tokens(33, 11);
+  FloatKV src(*src_, 33);
+  src.randomize(18);
+  bridge.save(*src_, tokens, src.view());
+  EXPECT_FALSE(bridge.load(*tgt_, tokens));
+  BridgeStats s = bridge.stats();
+  EXPECT_EQ(s.misses, 1);
+  EXPECT_EQ(s.conversions, 0);
+  EXPECT_EQ(s.adapters_skipped_quality, 1);
+  EXPECT_EQ(s.adapters, 1);
+  EXPECT_EQ(s.adapters_below_quality, 1);
+
+  BridgeOptions open;
+  open.min_quality = -std::numeric_limits<double>::infinity();
+  Bridge ungated(store, open);
+  ungated.add_adapter(*bad_);
+  const Load load = ungated.load(*tgt_, tokens);
+  EXPECT_TRUE(load.converted());
+  EXPECT_EQ(ungated.stats().adapters_below_quality, 0);
+}
+
+TEST_F(BridgeTest, TokenizerMismatchNeverConverts) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(40, 12);
+  FloatKV src(*src_, 40);
+  src.randomize(19);
+  bridge.save(*src_, tokens, src.view());
+  ModelSpec other_tok = *tgt_;
+  other_tok.tokenizer = "another-tokenizer";
+  EXPECT_FALSE(bridge.load(other_tok, tokens));
+  EXPECT_EQ(bridge.stats().conversions, 0);
+  EXPECT_EQ(bridge.stats().adapters_skipped_stale, 1);
+
+  // An adapter between models with different (or unknown) tokenizers is refused outright.
+  ModelSpec s = spec_of("s", 1, 1, 4, 10000.0, "tok-a");
+  ModelSpec t = spec_of("t", 1, 1, 4, 10000.0, "tok-b");
+  EXPECT_THROW(bridge.add_adapter(fit_planted(s, t, 4)), InvalidArgument);
+  s.tokenizer = t.tokenizer = "";
+  EXPECT_THROW(bridge.add_adapter(fit_planted(s, t, 4)), InvalidArgument);
+}
+
+TEST_F(BridgeTest, LastTokenIsNeverReturned) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(48, 13);  // three whole chunks
+  FloatKV src(*src_, 48), tgt(*tgt_, 48);
+  src.randomize(20);
+  tgt.randomize(21);
+  bridge.save(*src_, tokens, src.view());
+  const Load conv = bridge.load(*tgt_, tokens);
+  EXPECT_TRUE(conv.converted());
+  EXPECT_EQ(conv.tokens(), 47);
+  // All 48 were converted and written back; the returned 47 are their first 47.
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 48);
+  const auto all48 = converted(**good_, src.view().slice_tokens(0, 48), 0, false);
+  EXPECT_EQ(load_kv(conv, *tgt_), token_range(all48, *tgt_, 48, 0, 47));
+  const Load native = bridge.load(*tgt_, tokens);
+  EXPECT_FALSE(native.converted());
+  EXPECT_EQ(native.tokens(), 47);
+
+  KVStore store2(store_options());
+  Bridge plain(store2);
+  plain.save(*tgt_, tokens, tgt.view());
+  const Load own = plain.load(*tgt_, tokens);
+  EXPECT_EQ(own.tokens(), 47);
+  EXPECT_EQ(load_kv(own, *tgt_), dense(tgt.view().slice_tokens(0, 47)));
+  // Prompts of 0 or 1 tokens are misses; a one-chunk prefix is trimmed only when it is all.
+  EXPECT_FALSE(plain.load(*tgt_, TokenSpan(tokens.data(), 0)));
+  EXPECT_FALSE(plain.load(*tgt_, TokenSpan(tokens.data(), 1)));
+  EXPECT_EQ(plain.load(*tgt_, TokenSpan(tokens.data(), 17)).tokens(), 16);
+  EXPECT_EQ(plain.load(*tgt_, TokenSpan(tokens.data(), 16)).tokens(), 15);
+  EXPECT_EQ(plain.stats().misses, 2);
+}
+
+TEST_F(BridgeTest, NamespacesAreIsolated) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(40, 14);
+  FloatKV src(*src_, 40);
+  src.randomize(22);
+  bridge.save(*src_, tokens, src.view(), "tenant-a");
+  EXPECT_FALSE(bridge.load(*tgt_, tokens, "tenant-b"));
+  EXPECT_TRUE(bridge.load(*tgt_, tokens, "tenant-a").converted());
+  EXPECT_FALSE(bridge.load(*tgt_, tokens, "tenant-b"));  // the write-back stayed in tenant-a
+  EXPECT_FALSE(bridge.load(*tgt_, tokens));
+  EXPECT_EQ(bridge.load(*tgt_, tokens, "tenant-a").native_tokens(), 32);
+}
+
+TEST_F(BridgeTest, Validation) {
+  KVStore store(store_options());
+  BridgeOptions nan;
+  nan.min_quality = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_THROW((Bridge{store, nan}), InvalidArgument);
+
+  Bridge bridge(store);
+  EXPECT_THROW(bridge.add_adapter(nullptr), InvalidArgument);
+  bridge.add_adapter(*bad_);
+  EXPECT_THROW(bridge.add_adapter(*good_), InvalidArgument);  // same pair
+  bridge.add_adapter(*good_, /*replace=*/true);
+  ASSERT_EQ(bridge.adapters().size(), 1u);
+  EXPECT_EQ(bridge.adapters()[0], *good_);
+  EXPECT_TRUE(bridge.remove_adapter(*src_, *tgt_));
+  EXPECT_FALSE(bridge.remove_adapter(*src_, *tgt_));
+  EXPECT_THROW(bridge.add_adapter(fit_planted(*tgt_, *tgt_, 5)), InvalidArgument);
+
+  // KV that does not match the spec, and bad token ids.
+  const auto tokens = testing::random_tokens(20, 15);
+  FloatKV wrong(*src_, 20);
+  wrong.randomize(23);
+  EXPECT_THROW(bridge.save(*tgt_, tokens, wrong.view()), InvalidArgument);
+  FloatKV short_kv(*tgt_, 19);
+  short_kv.randomize(24);
+  EXPECT_THROW(bridge.save(*tgt_, tokens, short_kv.view()), InvalidArgument);
+  std::vector<int64_t> bad_ids = tokens;
+  bad_ids[3] = -1;
+  EXPECT_THROW(bridge.load(*tgt_, bad_ids), InvalidArgument);
+  ModelSpec bad_spec = *tgt_;
+  bad_spec.head_dim = 0;
+  EXPECT_THROW(bridge.load(bad_spec, tokens), InvalidArgument);
+
+  // A Load copies only into a view of its own geometry.
+  FloatKV tgt(*tgt_, 20);
+  tgt.randomize(25);
+  bridge.save(*tgt_, tokens, tgt.view());
+  const Load load = bridge.load(*tgt_, tokens);
+  ASSERT_EQ(load.tokens(), 16);
+  FloatKV out(*tgt_, 15);
+  EXPECT_THROW(load.copy_to(out.view()), InvalidArgument);
+}
+
+TEST_F(BridgeTest, PrometheusTextNamesEveryCounter) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(40, 16);
+  FloatKV src(*src_, 40);
+  src.randomize(26);
+  bridge.save(*src_, tokens, src.view());
+  bridge.load(*tgt_, tokens);
+  bridge.load(*tgt_, tokens);
+  bridge.load(*src2_, tokens);
+  const std::string text = bridge.prometheus_text();
+  for (const char* line :
+       {"kvbridge_bridge_saves_total 1\n", "kvbridge_bridge_loads_total 3\n",
+        "kvbridge_bridge_native_hits_total 1\n", "kvbridge_bridge_converted_hits_total 1\n",
+        "kvbridge_bridge_misses_total 1\n", "kvbridge_bridge_conversions_total 1\n",
+        "kvbridge_bridge_native_tokens_total 32\n", "kvbridge_bridge_converted_tokens_total 32\n",
+        "kvbridge_bridge_written_back_tokens_total 32\n",
+        "kvbridge_bridge_adapters_skipped_quality_total 0\n",
+        "kvbridge_bridge_adapters_skipped_stale_total 0\n", "kvbridge_bridge_adapters 1\n",
+        "kvbridge_bridge_adapters_below_quality 0\n",
+        "# TYPE kvbridge_bridge_convert_seconds_total counter\n",
+        "# TYPE kvbridge_bridge_adapters gauge\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << "\n" << text;
+  }
+  EXPECT_NE(text.find("kvbridge_bridge_lookup_seconds_total "), std::string::npos);
+}
+
+// Concurrent loads of one prompt: each gets either a converted or a native result, all equal.
+TEST_F(BridgeTest, ConcurrentLoadsAgree) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(50, 17);
+  FloatKV src(*src_, 50);
+  src.randomize(27);
+  bridge.save(*src_, tokens, src.view());
+  const std::vector<float> expected = converted(**good_, src.view().slice_tokens(0, 48), 0, false);
+  std::vector<std::vector<float>> results(4);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < results.size(); ++i) {
+    threads.emplace_back([&, i] {
+      for (int rep = 0; rep < 5; ++rep) results[i] = load_kv(bridge.load(*tgt_, tokens), *tgt_);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& r : results) EXPECT_EQ(r, expected);
+  const BridgeStats s = bridge.stats();
+  EXPECT_EQ(s.loads, 20);
+  EXPECT_EQ(s.native_hits + s.converted_hits, 20);
+  EXPECT_GE(s.converted_hits, 1);
+}
+
+}  // namespace
+}  // namespace kvbridge
