@@ -1,4 +1,5 @@
 // The one place that includes xxHash (inlined, so neither the library nor its users link it).
+// Long inputs use the AVX2 build where the CPU has it (xxh3_impl.h); digests are the same.
 #pragma once
 
 #include <cstddef>
@@ -7,7 +8,6 @@
 
 namespace kvbridge::detail {
 Hash128 xxh3_128(const void* data, size_t size) noexcept;
-uint64_t xxh3_64(const void* data, size_t size, uint64_t seed) noexcept;
 
 /// Incremental XXH3-128 (seed 0): update() over consecutive pieces gives the same digest as
 /// xxh3_128 over their concatenation. Not copyable.

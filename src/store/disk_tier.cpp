@@ -85,6 +85,29 @@ bool read_full(int fd, void* buf, size_t n) {
   return true;
 }
 
+// Reads exactly the iovecs' bytes; false on EOF (errno 0) or error.
+bool readv_full(int fd, iovec* iov, int count) {
+  while (count > 0) {
+    const ssize_t r = ::readv(fd, iov, count);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      if (r == 0) errno = 0;
+      return false;
+    }
+    size_t left = static_cast<size_t>(r);
+    while (count > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --count;
+    }
+    if (count > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return true;
+}
+
 bool write_full(int fd, iovec* iov, int count) {
   while (count > 0) {
     const ssize_t w = ::writev(fd, iov, count);
@@ -349,34 +372,41 @@ LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, int64_t* cre
   } closer{fd};
   struct stat st{};
   if (::fstat(fd, &st) != 0) return miss(&c.errors, true, false);
-  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   const size_t total = static_cast<size_t>(st.st_size);
-
-  unsigned char header[kEntryHeaderBytes];
-  if (!read_full(fd, header, sizeof header))
-    return errno ? miss(&c.errors, true, false) : miss(&c.corrupt, true, true);
+  // Few system calls: header and token ids in one read, then the payload in blocks (each
+  // hashed while it is still in cache), the last one together with the trailer.
+  const size_t prefix_bytes = entry_prefix_bytes(want.chunk);
+  std::vector<unsigned char> prefix(prefix_bytes);
+  if (total < prefix_bytes || !read_full(fd, prefix.data(), prefix_bytes))
+    return total < prefix_bytes || !errno ? miss(&c.corrupt, true, true)
+                                          : miss(&c.errors, true, false);
   EntryHeader h;
   try {
-    h = decode_entry_header(header, total);
+    h = decode_entry_header(prefix.data(), total);
   } catch (const Corrupt&) {
     return miss(&c.corrupt, true, true);
   }
   if (!header_fits(h, want)) return miss(&c.corrupt, true, true);
 
   Xxh3Stream hash;
-  hash.update(header, sizeof header);
-  std::vector<uint32_t> tokens(static_cast<size_t>(h.chunk));
+  hash.update(prefix.data(), prefix_bytes);
   unsigned char trailer[kEntryTrailerBytes];
-  bool ok = read_full(fd, tokens.data(), 4 * tokens.size());
-  if (ok) hash.update(tokens.data(), 4 * tokens.size());
-  for (size_t off = 0; ok && off < static_cast<size_t>(h.payload_bytes); off += kReadBlock) {
-    const size_t n = std::min(kReadBlock, static_cast<size_t>(h.payload_bytes) - off);
-    ok = read_full(fd, payload + off, n);
-    if (ok) hash.update(payload + off, n);
+  const size_t n = static_cast<size_t>(h.payload_bytes);
+  bool ok = true;
+  for (size_t off = 0; ok && off < n; off += kReadBlock) {
+    const size_t len = std::min(kReadBlock, n - off);
+    if (off + len < n) {
+      ok = read_full(fd, payload + off, len);
+    } else {
+      iovec iov[2] = {{payload + off, len}, {trailer, sizeof trailer}};
+      ok = readv_full(fd, iov, 2);
+    }
+    if (ok) hash.update(payload + off, len);
   }
-  ok = ok && read_full(fd, trailer, sizeof trailer);
   if (!ok) return errno ? miss(&c.errors, true, false) : miss(&c.corrupt, true, true);
   if (hash.digest() != decode_trailer(trailer)) return miss(&c.corrupt, true, true);
+  std::vector<uint32_t> tokens(static_cast<size_t>(h.chunk));
+  std::memcpy(tokens.data(), prefix.data() + kEntryHeaderBytes, 4 * tokens.size());
   // Token ids were read as raw little-endian bytes.
   if constexpr (__BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__) {
     for (auto& t : tokens) t = __builtin_bswap32(t);

@@ -181,7 +181,6 @@ using detail::Fingerprint;
 using detail::HashOf;
 using detail::LoadResult;
 using detail::RedisTier;
-using detail::RedisValues;
 using detail::TierCounters;
 
 const char* eviction_policy_name(EvictionPolicy policy) noexcept {
@@ -296,10 +295,28 @@ struct KVStore::Impl {
   Shard& shard_for(const Hash128& h) { return *shards[(h.high >> 7) % shards.size()]; }
 
   Call call(const ModelSpec& spec, std::string_view ns) const {
+    // The fingerprint formats every field (doubles with %.17g): a few microseconds, worth
+    // keeping for the next call with the same model and namespace on this thread.
+    struct Identity {
+      ModelSpec spec;
+      std::string ns;
+      Hash128 salt;
+      Fingerprint fp{};
+      bool valid = false;
+    };
+    thread_local Identity last;
+    if (!last.valid || last.ns != ns || last.spec != spec) {
+      last.valid = false;
+      last.spec = spec;
+      last.ns.assign(ns.data(), ns.size());
+      last.fp = detail::to_fingerprint(spec.fingerprint());
+      last.salt = prefix_salt(ns, spec);
+      last.valid = true;
+    }
     return Call{spec,
                 ns,
-                prefix_salt(ns, spec),
-                detail::to_fingerprint(spec.fingerprint()),
+                last.salt,
+                last.fp,
                 options.chunk_tokens,
                 spec.kv_bytes_per_token() * options.chunk_tokens,
                 clock()};
@@ -481,11 +498,19 @@ struct KVStore::Impl {
     Hash128 parent(size_t c) { return c == 0 ? salt : at(c - 1); }
   };
 
-  // A window of Redis values fetched in one round trip: chunks [begin, begin + values.size()).
+  // What one fetched Redis value became: verified into a new (not yet indexed) entry, or not.
+  struct RemoteSlot {
+    bool present = false;
+    bool no_room = false;
+    bool drop = false;  // corrupt or expired: delete it from the server
+    LoadResult result = LoadResult::kMiss;
+    std::shared_ptr<ChunkEntry> entry;
+  };
+  // A window of Redis values fetched in one round trip: chunks [begin, begin + count).
   struct RemoteWindow {
     size_t begin = 0;
     size_t count = 0;
-    RedisValues values;
+    std::vector<RemoteSlot> slots;
     std::vector<std::string> names;
   };
 
@@ -512,11 +537,39 @@ struct KVStore::Impl {
       w->names.push_back(redis->key_for(call.ns, call.fp, key));
     }
     w->count = w->names.size();
-    if (!redis->fetch(w->names, &w->values)) {
+    w->slots.assign(w->count, RemoteSlot{});
+    // Each value is verified and copied into its entry while hiredis parses the reply.
+    auto consume = [&](size_t i, const unsigned char* data, size_t size) {
+      if (i >= w->count) return;
+      RemoteSlot& slot = w->slots[i];
+      slot.present = true;
+      const size_t k = w->begin + i;
+      const int64_t* ids = keys.tokens + static_cast<int64_t>(k) * call.chunk;
+      const ExpectedEntry want = expected(call, keys.at(k), keys.parent(k), ids);
+      slot.entry = new_entry(call, keys.parent(k), ids, call.now_ms);
+      if (!slot.entry) {
+        slot.no_room = true;
+        return;
+      }
+      int64_t created = 0;
+      slot.result = detail::load_value(data, size, want, slot.entry->kv, &created,
+                                       &redis_counters, &slot.drop);
+      if (slot.result == LoadResult::kHit) {
+        slot.entry->created_ms = created;
+      } else {
+        slot.entry.reset();
+      }
+    };
+    if (!redis->fetch(w->names, consume)) {
       w->count = 0;
+      w->slots.clear();
       TierCounters::add(redis_counters.misses);
       return false;
     }
+    std::vector<std::string> damaged;
+    for (size_t i = 0; i < w->count; ++i)
+      if (w->slots[i].drop) damaged.push_back(w->names[i]);
+    if (!damaged.empty()) redis->remove(damaged);
     return true;
   }
 
@@ -568,23 +621,20 @@ struct KVStore::Impl {
     if (c < window->begin || c >= window->begin + window->count) {
       if (!fetch_window(call, keys, c, chunks, window)) return nullptr;
     }
-    const size_t i = c - window->begin;
-    const unsigned char* data = window->values.data(i);
-    if (!data) {
+    RemoteSlot& slot = window->slots[c - window->begin];
+    if (!slot.present) {
       TierCounters::add(redis_counters.misses);
       if (redis->filter_active())
         TierCounters::add(remote_counters.filter_false_positives);
       return nullptr;
     }
-    if (!allocate(call.now_ms)) return nullptr;
-    int64_t created = 0;
-    bool drop = false;
-    const LoadResult r = detail::load_value(data, window->values.bytes(i), want, entry->kv,
-                                            &created, &redis_counters, &drop);
-    if (drop) redis->remove({window->names[i]});
-    if (r == LoadResult::kCollision) *collision = true;
-    if (r != LoadResult::kHit) return nullptr;
-    entry->created_ms = created;
+    if (slot.no_room) {
+      promotions_rejected.fetch_add(1, std::memory_order_relaxed);
+      return nullptr;
+    }
+    if (slot.result == LoadResult::kCollision) *collision = true;
+    if (slot.result != LoadResult::kHit) return nullptr;
+    entry = std::move(slot.entry);
     return promote(redis_counters);
   }
 };

@@ -1,5 +1,10 @@
 #include "src/store/redis_tier.h"
 
+// sds.h (the output buffer of a context, written by hand in store()) has no C++ guard, and
+// hiredis.h includes it, so it comes first.
+extern "C" {
+#include <hiredis/sds.h>
+}
 #include <hiredis/hiredis.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -162,6 +167,35 @@ bool parse_hex_key(std::string_view s, Hash128* out) {
   return true;
 }
 
+// Values of a fetch are handed to the consumer straight from hiredis's read buffer: a reader
+// callback in place of hiredis's string constructor, active while a fetch on this thread
+// parses its reply. The consumed value becomes a nil element, so no reply object copies it.
+thread_local const RedisTier::ValueConsumer* t_consumer = nullptr;
+redisReplyObjectFunctions g_capture_functions;
+const redisReplyObjectFunctions* g_default_functions = nullptr;
+std::once_flag g_capture_once;
+
+void* capture_string(const redisReadTask* task, char* str, size_t len) {
+  if (t_consumer && task->type == REDIS_REPLY_STRING && task->parent) {
+    try {
+      (*t_consumer)(static_cast<size_t>(task->idx), reinterpret_cast<const unsigned char*>(str),
+                    len);
+    } catch (...) {
+    }
+    return g_default_functions->createNil(task);
+  }
+  return g_default_functions->createString(task, str, len);
+}
+
+void install_capture(redisContext* c) {
+  std::call_once(g_capture_once, [c] {
+    g_default_functions = c->reader->fn;
+    g_capture_functions = *c->reader->fn;
+    g_capture_functions.createString = capture_string;
+  });
+  c->reader->fn = &g_capture_functions;
+}
+
 }  // namespace
 
 void RemoteCounters::record_latency(int64_t ns) {
@@ -186,32 +220,6 @@ void RemoteCounters::fill(RemoteStats* s) const {
   s->filter_rebuilds = get(filter_rebuilds);
   s->latency_seconds_sum = static_cast<double>(get(latency_ns_sum)) * 1e-9;
   for (size_t i = 0; i < latency_buckets.size(); ++i) s->latency_buckets[i] = get(latency_buckets[i]);
-}
-
-RedisValues::RedisValues(RedisValues&& o) noexcept : reply_(o.reply_), size_(o.size_) {
-  o.reply_ = nullptr;
-  o.size_ = 0;
-}
-RedisValues& RedisValues::operator=(RedisValues&& o) noexcept {
-  if (this != &o) {
-    if (reply_) freeReplyObject(reply_);
-    reply_ = o.reply_;
-    size_ = o.size_;
-    o.reply_ = nullptr;
-    o.size_ = 0;
-  }
-  return *this;
-}
-RedisValues::~RedisValues() {
-  if (reply_) freeReplyObject(reply_);
-}
-const unsigned char* RedisValues::data(size_t i) const noexcept {
-  const auto* r = static_cast<const redisReply*>(reply_);
-  if (!r || i >= size_ || r->element[i]->type != REDIS_REPLY_STRING) return nullptr;
-  return reinterpret_cast<const unsigned char*>(r->element[i]->str);
-}
-size_t RedisValues::bytes(size_t i) const noexcept {
-  return data(i) ? static_cast<const redisReply*>(reply_)->element[i]->len : 0;
 }
 
 LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntry& want,
@@ -336,6 +344,7 @@ struct RedisTier::Impl {
     }
     redisSetTimeout(c, to_timeval(options.redis_command_timeout_ms));
     redisEnableKeepAlive(c);
+    install_capture(c);
     return c;
   }
 
@@ -676,18 +685,18 @@ bool RedisTier::filter_active() const { return impl_->current_filter() != nullpt
 
 void RedisTier::refresh_filter_now() { impl_->refresh(false); }
 
-bool RedisTier::fetch(const std::vector<std::string>& keys, RedisValues* out) {
+bool RedisTier::fetch(const std::vector<std::string>& keys, const ValueConsumer& consume) {
   Impl& m = *impl_;
   std::vector<std::string> args;
   args.reserve(keys.size() + 1);
   args.emplace_back("MGET");
   args.insert(args.end(), keys.begin(), keys.end());
+  struct Capture {
+    explicit Capture(const ValueConsumer* c) { t_consumer = c; }
+    ~Capture() { t_consumer = nullptr; }
+  } capture(&consume);
   Reply r = m.command(args);
-  if (!r || r->type != REDIS_REPLY_ARRAY || r->elements != keys.size()) return false;
-  *out = RedisValues();
-  out->size_ = r->elements;
-  out->reply_ = r.release();
-  return true;
+  return r && r->type == REDIS_REPLY_ARRAY && r->elements == keys.size();
 }
 
 bool RedisTier::store(const std::vector<Write>& writes, int64_t ttl_ms) {
@@ -703,25 +712,43 @@ bool RedisTier::store(const std::vector<Write>& writes, int64_t ttl_ms) {
   const int64_t t0 = steady_ns();
   redisAppendCommand(c, "MULTI");
   const std::string ttl = std::to_string(ttl_ms);
-  std::string cmd;
   size_t total_bytes = 0;
+  for (const Write& w : writes)
+    total_bytes += w.prefix_bytes + w.payload_bytes + kEntryTrailerBytes;
+  // Each SET is written in RESP by hand straight into the connection's output buffer (an sds
+  // string, grown once), so a value's three parts are copied once, as a plain SET copies its
+  // value once.
+  bool appended = true;
+  auto grow = [&](sds s) {
+    if (s) {
+      c->obuf = s;
+    } else {
+      appended = false;  // the old buffer stays valid and owned by the context
+    }
+  };
+  grow(sdsMakeRoomFor(c->obuf, total_bytes + 256 * writes.size()));
+  auto append = [&](const void* data, size_t n) {
+    if (appended) grow(sdscatlen(c->obuf, data, n));
+  };
+  auto append_str = [&](const std::string& str) { append(str.data(), str.size()); };
   for (const Write& w : writes) {
-    // The command is formatted by hand so the value's three parts are copied once.
     unsigned char trailer[kEntryTrailerBytes];
     encode_trailer(w.checksum, trailer);
     const size_t vlen = w.prefix_bytes + w.payload_bytes + sizeof trailer;
-    total_bytes += vlen;
-    cmd.clear();
-    cmd.reserve(vlen + w.key.size() + 64);
-    cmd += ttl_ms > 0 ? "*5\r\n" : "*3\r\n";
-    cmd += "$3\r\nSET\r\n$" + std::to_string(w.key.size()) + "\r\n" + w.key + "\r\n$" +
-           std::to_string(vlen) + "\r\n";
-    cmd.append(reinterpret_cast<const char*>(w.prefix), w.prefix_bytes);
-    cmd.append(static_cast<const char*>(w.payload), w.payload_bytes);
-    cmd.append(reinterpret_cast<const char*>(trailer), sizeof trailer);
-    cmd += "\r\n";
-    if (ttl_ms > 0) cmd += "$2\r\nPX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n";
-    redisAppendFormattedCommand(c, cmd.data(), cmd.size());
+    append_str(std::string(ttl_ms > 0 ? "*5\r\n" : "*3\r\n") + "$3\r\nSET\r\n$" +
+               std::to_string(w.key.size()) + "\r\n" + w.key + "\r\n$" + std::to_string(vlen) +
+               "\r\n");
+    append(w.prefix, w.prefix_bytes);
+    append(w.payload, w.payload_bytes);
+    append(trailer, sizeof trailer);
+    append_str("\r\n");
+    if (ttl_ms > 0) append_str("$2\r\nPX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n");
+  }
+  if (!appended) {  // out of memory: this connection's buffer is unusable
+    c->err = REDIS_ERR_OOM;
+    m.release(c);
+    TierCounters::add(m.counters->write_failures, static_cast<int64_t>(writes.size()));
+    return false;
   }
   std::vector<std::string> eval = {"EVAL", kAddScript, "1", m.filter_key};
   for (const Write& w : writes) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -25,24 +26,6 @@ struct RemoteCounters {
   std::array<std::atomic<int64_t>, RemoteStats::kLatencyBuckets> latency_buckets{};
   void record_latency(int64_t ns);
   void fill(RemoteStats* s) const;
-};
-
-/// The values of one MGET, owned.
-class RedisValues {
- public:
-  RedisValues() = default;
-  RedisValues(RedisValues&&) noexcept;
-  RedisValues& operator=(RedisValues&&) noexcept;
-  ~RedisValues();
-  size_t size() const noexcept { return size_; }
-  /// Bytes of value i; nullptr when the key was absent (or the value not a string).
-  const unsigned char* data(size_t i) const noexcept;
-  size_t bytes(size_t i) const noexcept;
-
- private:
-  friend class RedisTier;
-  void* reply_ = nullptr;  // redisReply*, freed with freeReplyObject
-  size_t size_ = 0;
 };
 
 /// Verifies a fetched value against the lookup and copies its payload (want.payload_bytes) to
@@ -65,9 +48,14 @@ class RedisTier {
   /// False only when the filter is active and says the key is surely absent.
   bool may_contain(const Hash128& key) const;
 
-  /// GETs `keys` in one MGET. False (counted) when the tier is down or the command failed;
-  /// then every key is a miss.
-  bool fetch(const std::vector<std::string>& keys, RedisValues* out);
+  /// Sees one present value of a fetch where hiredis parsed it (`data` is valid only during
+  /// the call, and the value is never copied into a reply object): index into the keys, bytes.
+  /// Must not throw (it runs inside hiredis's parser; an exception is swallowed, the value then
+  /// counts as absent).
+  using ValueConsumer = std::function<void(size_t index, const unsigned char* data, size_t size)>;
+  /// GETs `keys` in one MGET, handing each present value to `consume`. False (counted) when the
+  /// tier is down or the command failed; then every key counts as a miss.
+  bool fetch(const std::vector<std::string>& keys, const ValueConsumer& consume);
 
   struct Write {
     std::string key;
