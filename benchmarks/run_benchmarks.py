@@ -5,14 +5,20 @@
 
 The program runs with --benchmark_repetitions=N --benchmark_report_aggregates_only=true and
 random interleaving of the repetitions (so slow drift of a noisy machine spreads over all
-benchmarks instead of biasing one); the tables use the medians. Standard library only.
+benchmarks instead of biasing one); the tables use the medians. For the Redis tier benchmarks
+it starts a redis-server (no persistence) on a free loopback port when one is installed and
+passes its URL in KVBRIDGE_BENCH_REDIS_URL. Standard library only.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_BINARY = os.path.join(REPO, "build-bench", "benchmarks", "cpp", "kvbridge_bench")
@@ -20,9 +26,40 @@ PROMPTS = [1024, 8192, 32768, 131072]
 SIZES_MIB = [1, 4, 16, 64]
 NS_TARGET = 100.0  # ns per 16 tokens, hashed and looked up
 BW_TARGET = 70.0  # % of memcpy bandwidth
+TIER_TARGET = 70.0  # % of the plain file read / raw hiredis peer
 
 
-def run(binary, repetitions, min_time, raw_out):
+@contextlib.contextmanager
+def redis_server():
+    """Yields the URL of a fresh redis-server on a free loopback port, or None."""
+    binary = shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None)
+    if binary is None:
+        yield None
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", "/tmp", "--protected-mode", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                time.sleep(0.01)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def run(binary, repetitions, min_time, raw_out, bench_filter=None):
     cmd = [
         binary,
         "--benchmark_format=json",
@@ -32,8 +69,15 @@ def run(binary, repetitions, min_time, raw_out):
     ]
     if min_time is not None:
         cmd.append(f"--benchmark_min_time={min_time}")
+    if bench_filter:
+        cmd.append(f"--benchmark_filter={bench_filter}")
     print("running: " + " ".join(cmd), file=sys.stderr)
-    proc = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, universal_newlines=True)
+    with redis_server() as url:
+        env = dict(os.environ)
+        if url:
+            env["KVBRIDGE_BENCH_REDIS_URL"] = url
+        proc = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, universal_newlines=True,
+                              env=env)
     if raw_out:
         with open(raw_out, "w") as f:
             f.write(proc.stdout)
@@ -125,6 +169,69 @@ def bandwidth_table(med):
     return lines
 
 
+def pct(a, b):
+    r = ratio(a, b)
+    return None if r is None else 100 * r
+
+
+def verdict(*values):
+    if any(v is None for v in values):
+        return "n/a"
+    return "yes" if all(v >= TIER_TARGET for v in values) else "**no**"
+
+
+def disk_table(med):
+    lines = [
+        "| entry size | plain read GB/s | disk tier read GB/s | % of plain read "
+        f"| >= {TIER_TARGET:.0f}%? |",
+        "|---:|---:|---:|---:|:---:|",
+    ]
+    for mib in SIZES_MIB:
+        plain = gbps(med, f"BM_PlainFileRead/MiB:{mib}/real_time")
+        tier = gbps(med, f"BM_DiskTierRead/MiB:{mib}/real_time")
+        p = pct(tier, plain)
+        lines.append(f"| {mib} MiB | {fmt(plain, 2)} | {fmt(tier, 2)} | {fmt(p, 0, '%')} "
+                     f"| {verdict(p)} |")
+    return lines
+
+
+def redis_table(med):
+    lines = [
+        "| value size | raw GET GB/s | tier get GB/s | get % of raw | raw SET GB/s "
+        f"| tier put GB/s | put % of raw | both >= {TIER_TARGET:.0f}%? |",
+        "|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for mib in SIZES_MIB:
+        rg = gbps(med, f"BM_RawHiredisGet/MiB:{mib}/real_time")
+        tg = gbps(med, f"BM_RedisTierGet/MiB:{mib}/real_time")
+        rs = gbps(med, f"BM_RawHiredisSet/MiB:{mib}/real_time")
+        tp = gbps(med, f"BM_RedisTierPut/MiB:{mib}/real_time")
+        g, p = pct(tg, rg), pct(tp, rs)
+        lines.append(f"| {mib} MiB | {fmt(rg, 2)} | {fmt(tg, 2)} | {fmt(g, 0, '%')} "
+                     f"| {fmt(rs, 2)} | {fmt(tp, 2)} | {fmt(p, 0, '%')} | {verdict(g, p)} |")
+    return lines
+
+
+def filter_table(med):
+    off = "BM_RedisMissLookup/filter:0/real_time"
+    on = "BM_RedisMissLookup/filter:1/real_time"
+    lines = [
+        "| filter | Redis round trips per lookup | sure misses per lookup | us per lookup |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, label in ((off, "off"), (on, "on")):
+        t = get(med, name, "real_time")
+        unit = med.get(name, {}).get("time_unit", "ns")
+        us = None if t is None else t / {"ns": 1e3, "us": 1.0, "ms": 1e-3, "s": 1e-6}[unit]
+        lines.append(f"| {label} | {fmt(get(med, name, 'round_trips_per_lookup'), 2)} "
+                     f"| {fmt(get(med, name, 'filter_negatives_per_lookup'), 2)} | {fmt(us, 1)} |")
+    t_off, t_on = get(med, off, "real_time"), get(med, on, "real_time")
+    lines += ["", f"Lookups of never-stored prefixes with the filter: "
+                  f"{fmt(ratio(t_off, t_on), 1, 'x')} faster, and no round trip where the filter "
+                  "answers."]
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--binary", default=DEFAULT_BINARY)
@@ -132,9 +239,10 @@ def main():
     ap.add_argument("--min-time", default=None,
                     help="--benchmark_min_time per repetition (default: the library's, 0.5 s)")
     ap.add_argument("--raw-json", default=None, help="also save the program's JSON here")
+    ap.add_argument("--filter", default=None, help="--benchmark_filter (default: all)")
     args = ap.parse_args()
 
-    report = run(args.binary, args.repetitions, args.min_time, args.raw_json)
+    report = run(args.binary, args.repetitions, args.min_time, args.raw_json, args.filter)
     med, errors = medians(report)
     ctx = report.get("context", {})
     build = ctx.get("library_build_type")
@@ -150,6 +258,20 @@ def main():
         "#### Put / match bandwidth vs memcpy (higher is better)",
         "",
         *bandwidth_table(med),
+        "",
+        "#### Disk tier read vs a plain sequential read of a file of the same size "
+        "(wall time, higher is better)",
+        "",
+        *disk_table(med),
+        "",
+        "#### Redis tier vs a raw hiredis GET / SET loop, same value size "
+        "(wall time, higher is better)",
+        "",
+        *redis_table(med),
+        "",
+        "#### Redis filter: remote calls saved on lookups of never-stored prefixes",
+        "",
+        *filter_table(med),
     ]
     cv = largest_cv(report)
     if cv is not None:

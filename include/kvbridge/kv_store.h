@@ -1,22 +1,39 @@
-// KVStore: an in-memory, thread-safe cache of chunk KV blocks keyed by the prefix-hash index.
+// KVStore: a thread-safe, tiered cache of chunk KV blocks keyed by the prefix-hash index.
 //
 // A sequence's KV is stored as one entry per whole chunk of `chunk_tokens` tokens. Each entry
 // keeps its chunk's token ids, its parent hash and the salt it was stored under, and a lookup
-// compares all three, so neither a hash collision nor another namespace's or model's entry can
-// ever be returned. A trailing partial chunk is never stored.
+// compares all three in every tier, so neither a hash collision nor another namespace's or
+// model's entry can ever be returned. A trailing partial chunk is never stored.
+//
+// Tiers (docs/storage.md has the full description and the on-disk / in-Redis formats):
+//   memory  always on. Sharded, with a byte budget that is never exceeded.
+//   disk    on when StoreOptions::disk_dir is set: one checksummed file per entry, written
+//           atomically, with its own byte budget; a store opened later on the same directory
+//           finds what an earlier one (in any process) left.
+//   Redis   on when StoreOptions::redis_url is set: one checksummed value per entry, shared by
+//           every process and machine using the same server and key prefix.
+// put() writes through: each chunk goes to memory, then (synchronously, before put returns) to
+// the disk tier and the Redis tier. match() walks the chunks in order and looks each one up in
+// memory, then disk, then Redis; a chunk found in a lower tier is verified and promoted to
+// memory. A lower tier that fails (I/O error, full disk, Redis down or slow) is a miss or a
+// skipped write, counted in stats(); it never throws into put() or match().
 //
 // Memory: `capacity_bytes` bounds the accounted bytes (the KV payload's allocation, rounded up
 // to 64 bytes, or to 2 MiB for payloads of 32 MiB and more, + 4 bytes per token id + a fixed
 // per-entry overhead, see StoreStats) at every instant; space is reserved before an entry is
-// allocated and released when its memory is freed. Eviction is LRU within a shard, shards taken
-// round robin (exact LRU with num_shards = 1). Up to four freed payloads of 1 MiB or more are kept
-// (and stay accounted) for reuse by the next entry of the same size; they are freed first when
-// room is needed. An entry referenced by a live Match is pinned: it
-// is never evicted, and its bytes stay accounted until the last Match holding it is destroyed.
+// allocated and released when its memory is freed. Eviction follows StoreOptions::eviction
+// within a shard, shards taken round robin (exact with num_shards = 1). Up to four freed
+// payloads of 1 MiB or more are kept (and stay accounted) for reuse by the next entry of the
+// same size; they are freed first when room is needed. An entry referenced by a live Match is
+// pinned: it is never evicted, and its bytes stay accounted until the last Match holding it is
+// destroyed. Entries evicted from memory stay in the lower tiers.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -26,30 +43,141 @@
 
 namespace kvbridge {
 
+/// Which entry a full tier drops first. The memory and disk tiers follow the same policy; Redis
+/// evicts by its own server configuration (maxmemory-policy).
+enum class EvictionPolicy : uint8_t {
+  kLRU = 0,  ///< least recently used (put or matched) first
+  kLFU = 1,  ///< fewest uses (puts and matches since it entered the tier) first, then LRU
+  kTTL = 2,  ///< soonest to expire, i.e. oldest put first; needs ttl_seconds > 0
+};
+
+/// "lru", "lfu" or "ttl".
+const char* eviction_policy_name(EvictionPolicy policy) noexcept;
+/// The inverse of eviction_policy_name; throws InvalidArgument otherwise.
+EvictionPolicy parse_eviction_policy(const std::string& name);
+
+/// Tier selectors for erase() and clear(), combinable with |.
+enum StoreTier : unsigned { kMemoryTier = 1u, kDiskTier = 2u, kRedisTier = 4u };
+constexpr unsigned kAllTiers = kMemoryTier | kDiskTier | kRedisTier;
+
 struct StoreOptions {
-  int64_t capacity_bytes = int64_t{1} << 30;  ///< accounted-bytes budget; > 0
+  int64_t capacity_bytes = int64_t{1} << 30;  ///< memory tier's accounted-bytes budget; > 0
   int64_t chunk_tokens = 256;                 ///< tokens per chunk entry; > 0
   int num_shards = 16;                        ///< lock shards; in [1, 1024]
+  EvictionPolicy eviction = EvictionPolicy::kLRU;
+  /// Entries expire this many seconds after the put that created them, in every tier (an
+  /// expired entry is a miss and is removed; Redis values also get this expiry). 0: never.
+  int64_t ttl_seconds = 0;
+
+  // --- Disk tier: off while disk_dir is empty. ---
+  /// Directory for entry files (created if missing). One live store per directory: a second
+  /// store opening it while the first lives throws Unavailable.
+  std::string disk_dir;
+  int64_t disk_capacity_bytes = int64_t{16} << 30;  ///< file bytes budget (4 KiB blocks); > 0
+  bool disk_fsync = true;  ///< fsync each file before its rename (durable across power loss)
+
+  // --- Redis tier: off while redis_url is empty. ---
+  /// "redis://[[user]:password@]host[:port][/db]" (port 6379, db 0 by default).
+  std::string redis_url;
+  /// First component of every key; stores sharing a prefix (and server) share entries.
+  std::string redis_key_prefix = "kvb";
+  int redis_connect_timeout_ms = 200;  ///< TCP connect (and AUTH / SELECT) timeout; > 0
+  /// Longest wait for one socket read or write of a command; a value still streaming in does
+  /// not time out. A command that times out is a miss (or a skipped write). > 0.
+  int redis_command_timeout_ms = 500;
+  int redis_pool_size = 4;  ///< connections kept; a caller waits when all are busy; >= 1
+  /// After a failure the tier is skipped (ops are instant misses, counted) until a retry is
+  /// due; the wait doubles from redis_retry_min_ms to redis_retry_max_ms while retries fail.
+  int redis_retry_min_ms = 100;
+  int redis_retry_max_ms = 5000;
+  /// Upper bound on the value bytes one MGET fetches; match() reads a prefix's chunks in as
+  /// few round trips as this allows (at least one chunk per round trip).
+  int64_t redis_batch_bytes = int64_t{64} << 20;
+
+  // --- Redis filter (a Bloom filter kept in Redis, see docs/storage.md). ---
+  /// Answer sure misses from a local copy of the shared filter, without a round trip.
+  bool redis_filter = true;
+  /// Size in bits of the filter when this store creates it (a power of two in [2^10, 2^32]);
+  /// a filter that exists keeps its own size and hash count.
+  int64_t redis_filter_bits = int64_t{1} << 23;
+  int redis_filter_hashes = 4;  ///< probes per key when this store creates it; in [1, 16]
+  /// The local copy is refreshed this often; it is never staler than this plus one refresh
+  /// round trip, so another process's put is seen at most that long after it returned. > 0.
+  int redis_filter_refresh_ms = 1000;
+
+  /// Clock for TTLs and entry creation times, in milliseconds since the Unix epoch. Empty: the
+  /// system clock. (Settable so tests can move time.)
+  std::function<int64_t()> clock_ms;
+};
+
+/// Counters of one tier. Chunk counts are entries (one per chunk_tokens tokens).
+struct TierStats {
+  bool enabled = false;
+  int64_t capacity_bytes = 0;   ///< memory, disk: the budget; Redis: 0 (the server's own)
+  int64_t bytes_used = 0;       ///< memory: accounted bytes; disk: file bytes (4 KiB blocks)
+  int64_t entries = 0;          ///< memory, disk: entries indexed; Redis: 0 (not tracked)
+  int64_t hit_chunks = 0;       ///< chunks this tier served to match()
+  int64_t misses = 0;           ///< chunk lookups that reached this tier and found nothing
+  int64_t writes = 0;           ///< entries written (put, and promotions into memory)
+  int64_t write_failures = 0;   ///< writes that failed or were skipped (error, no room, down)
+  int64_t evictions = 0;        ///< entries dropped to make room
+  int64_t expired = 0;          ///< entries found past their TTL (removed, counted as misses)
+  int64_t corrupt = 0;          ///< entries that failed validation (removed, counted as misses)
+  int64_t errors = 0;           ///< I/O or remote errors (each also a miss or failed write)
+  int64_t bytes_read = 0;       ///< entry bytes read from this tier (disk, Redis)
+  int64_t bytes_written = 0;    ///< entry bytes written to this tier (disk, Redis)
+};
+
+/// Redis round trips, their latency, and the filter.
+struct RemoteStats {
+  int64_t round_trips = 0;         ///< commands or pipelines sent and answered
+  int64_t skipped = 0;             ///< operations skipped while the server was marked down
+  int64_t reconnects = 0;          ///< successful connects after a failure
+  int64_t filter_negatives = 0;    ///< lookups answered as sure misses (round trips saved)
+  int64_t filter_passes = 0;       ///< lookups the filter let through (maybe present)
+  int64_t filter_false_positives = 0;  ///< lookups let through that found nothing
+  int64_t filter_refreshes = 0;    ///< local filter copies fetched
+  int64_t filter_rebuilds = 0;     ///< filters rebuilt from the keys by this store
+  bool filter_active = false;      ///< a usable filter copy is in use now
+  double latency_seconds_sum = 0;  ///< total time of answered round trips
+  /// Round trips by latency: count with latency <= kLatencyBounds[i] seconds; the last slot
+  /// counts every round trip (+Inf).
+  static constexpr int kLatencyBuckets = 12;
+  static constexpr std::array<double, kLatencyBuckets - 1> kLatencyBounds = {
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5};
+  std::array<int64_t, kLatencyBuckets> latency_buckets{};  ///< cumulative, as Prometheus's
 };
 
 struct StoreStats {
-  int64_t capacity_bytes = 0;
-  int64_t bytes_used = 0;       ///< accounted bytes now (entries and recycled_bytes)
+  int64_t capacity_bytes = 0;   ///< memory tier
+  int64_t bytes_used = 0;       ///< memory: accounted bytes now (entries and recycled_bytes)
   int64_t recycled_bytes = 0;   ///< freed payload buffers kept for reuse (up to 4, >= 1 MiB each)
   int64_t peak_bytes = 0;       ///< highest bytes_used ever reached (never > capacity_bytes)
-  int64_t entries = 0;          ///< chunk entries in the index
+  int64_t entries = 0;          ///< chunk entries in the memory index
   int64_t puts = 0;             ///< put() calls
-  int64_t chunks_inserted = 0;  ///< new entries created by put()
-  int64_t chunks_present = 0;   ///< put() chunks already cached (refreshed, not copied)
-  int64_t chunks_rejected = 0;  ///< put() chunks that found no room (everything else pinned)
+  int64_t chunks_inserted = 0;  ///< new memory entries created by put()
+  int64_t chunks_present = 0;   ///< put() chunks already in memory (refreshed, not copied)
+  int64_t chunks_rejected = 0;  ///< put() chunks that no tier took (memory full and pinned...)
   int64_t matches = 0;          ///< match() calls
   int64_t hits = 0;             ///< match() calls that returned >= 1 chunk
   int64_t misses = 0;           ///< match() calls that returned nothing
-  int64_t hit_chunks = 0;       ///< chunks returned by match()
-  int64_t collisions = 0;       ///< index hits rejected by the token / parent / salt check
-  int64_t evictions = 0;        ///< entries evicted to make room
-  int64_t erased = 0;           ///< entries removed by erase()
+  int64_t hit_chunks = 0;       ///< chunks returned by match(), from any tier
+  int64_t collisions = 0;       ///< entries rejected by the token / parent / salt check
+  int64_t evictions = 0;        ///< memory entries evicted to make room
+  int64_t erased = 0;           ///< memory entries removed by erase(), clear(), invalidate()
+  int64_t promotions = 0;       ///< chunks copied into memory from the disk or Redis tier
+  int64_t promotions_rejected = 0;  ///< lower-tier hits dropped: no memory room (match stops)
+  TierStats memory, disk, redis;
+  RemoteStats remote;
   static constexpr int64_t kEntryOverheadBytes = 128;  ///< fixed accounted bytes per entry
+};
+
+/// Entries removed by KVStore::invalidate, per tier.
+struct InvalidateResult {
+  int64_t memory = 0;
+  int64_t disk = 0;
+  int64_t redis = 0;
+  bool redis_complete = true;  ///< false: Redis was unreachable or failed part way
 };
 
 namespace detail {
@@ -87,7 +215,9 @@ class Match {
 
 class KVStore {
  public:
-  /// Throws InvalidArgument for options out of range.
+  /// Throws InvalidArgument for options out of range (or a malformed redis_url), Unavailable
+  /// when disk_dir cannot be created or is in use by another live store. An unreachable Redis
+  /// server is not an error: the tier starts marked down and is retried.
   explicit KVStore(const StoreOptions& options = {});
   ~KVStore();
   KVStore(const KVStore&) = delete;
@@ -96,26 +226,40 @@ class KVStore {
   const StoreOptions& options() const noexcept;
 
   /// Stores the whole chunks of `tokens` with their KV. `kv` is a CPU view matching `spec`
-  /// (layers, kv_heads, head_dim, dtype) with kv.tokens() == tokens.size. Chunks already cached
-  /// are refreshed, not copied again. Returns the length of the prefix now cached from this call
-  /// (a multiple of chunk_tokens; shorter than requested when space ran out or on a collision).
-  /// Throws InvalidArgument for bad tokens, a bad spec, or a view that does not match.
+  /// (layers, kv_heads, head_dim, dtype) with kv.tokens() == tokens.size. Chunks already in
+  /// memory are refreshed, not copied again (and written to disk if the disk tier lacks them).
+  /// Returns the length of the prefix now cached from this call in at least one tier (a
+  /// multiple of chunk_tokens; shorter than requested when no tier took a chunk, or on a
+  /// collision). Throws InvalidArgument for bad tokens, a bad spec, or a view that does not
+  /// match; never for a failing disk or Redis tier.
   int64_t put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
               std::string_view ns = "default");
 
   /// The longest cached prefix of `tokens` for (spec, ns), pinned. A miss is an empty Match.
-  /// Throws InvalidArgument for bad tokens or a bad spec.
+  /// Throws InvalidArgument for bad tokens or a bad spec; never for a failing disk or Redis tier.
   Match match(const ModelSpec& spec, TokenSpan tokens, std::string_view ns = "default");
 
-  /// Removes the entries of the whole chunks of `tokens` for (spec, ns) from the index.
-  /// Pinned entries leave the index at once and free their memory when unpinned.
-  /// Returns the number of entries removed.
-  int64_t erase(const ModelSpec& spec, TokenSpan tokens, std::string_view ns = "default");
+  /// Removes the entries of the whole chunks of `tokens` for (spec, ns) from the selected tiers
+  /// (StoreTier bits). Pinned entries leave the index at once and free their memory when
+  /// unpinned. Returns the number of memory and disk entries removed (Redis deletions are not
+  /// counted: the server does not say whose they were).
+  int64_t erase(const ModelSpec& spec, TokenSpan tokens, std::string_view ns = "default",
+                unsigned tiers = kAllTiers);
 
-  /// Removes every entry. Pinned memory is freed when unpinned.
-  void clear();
+  /// Removes every entry of `spec`'s fingerprint, in every namespace, from every tier: this
+  /// store's memory, the disk directory and the Redis prefix (a SCAN of the server's keys).
+  /// Other processes' memory tiers keep their copies until evicted (docs/storage.md).
+  InvalidateResult invalidate(const ModelSpec& spec);
+
+  /// Removes every entry of the selected tiers. The default leaves the Redis tier alone: it is
+  /// shared with other processes (clear it per model with invalidate()).
+  void clear(unsigned tiers = kMemoryTier | kDiskTier);
 
   StoreStats stats() const;
+
+  /// stats() in the Prometheus text exposition format (version 0.0.4), every name prefixed
+  /// kvbridge_store_, tiers as a `tier` label.
+  std::string metrics_text() const;
 
  private:
   struct Impl;

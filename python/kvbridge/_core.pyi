@@ -1,5 +1,5 @@
 """Type stub for the native core. Use the kvbridge package's re-exports, not this module."""
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Sequence, Union, overload
 
 import numpy as np
 
@@ -52,7 +52,37 @@ class Match:
     def tokens(self) -> int: ...
     def copy_to(self, keys: List[TensorView], values: List[TensorView]) -> None: ...
 
+class StoreOptions:
+    def __init__(self) -> None: ...
+    capacity_bytes: int
+    chunk_tokens: int
+    num_shards: int
+    eviction: str
+    ttl_seconds: int
+    disk_dir: str
+    disk_capacity_bytes: int
+    disk_fsync: bool
+    redis_url: str
+    redis_key_prefix: str
+    redis_connect_timeout_ms: int
+    redis_command_timeout_ms: int
+    redis_pool_size: int
+    redis_retry_min_ms: int
+    redis_retry_max_ms: int
+    redis_batch_bytes: int
+    redis_filter: bool
+    redis_filter_bits: int
+    redis_filter_hashes: int
+    redis_filter_refresh_ms: int
+
+MEMORY_TIER: int
+DISK_TIER: int
+REDIS_TIER: int
+
 class KVStore:
+    @overload
+    def __init__(self, options: StoreOptions) -> None: ...
+    @overload
     def __init__(self, capacity_bytes: int, chunk_tokens: int = 256, num_shards: int = 16) -> None: ...
     @property
     def capacity_bytes(self) -> int: ...
@@ -61,9 +91,11 @@ class KVStore:
     def put(self, spec: ModelSpec, tokens: np.ndarray, keys: List[TensorView],
             values: List[TensorView], namespace: str) -> int: ...
     def match(self, spec: ModelSpec, tokens: np.ndarray, namespace: str) -> Match: ...
-    def erase(self, spec: ModelSpec, tokens: np.ndarray, namespace: str) -> int: ...
-    def clear(self) -> None: ...
-    def stats(self) -> Dict[str, int]: ...
+    def erase(self, spec: ModelSpec, tokens: np.ndarray, namespace: str, tiers: int = 7) -> int: ...
+    def invalidate(self, spec: ModelSpec) -> Dict[str, object]: ...
+    def clear(self, tiers: int = 3) -> None: ...
+    def stats(self) -> Dict[str, object]: ...
+    def metrics_text(self) -> str: ...
 
 def prefix_hashes(spec: ModelSpec, tokens: np.ndarray, namespace: str,
                   chunk_tokens: int) -> List[str]: ...

@@ -1,8 +1,9 @@
-"""The in-memory KV store and its prefix match."""
+"""The tiered KV store (memory, disk, Redis) and its prefix match."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, List, Optional, Union
+from typing import Any, Iterable, List, Optional, Union
 
 import torch
 
@@ -23,17 +24,65 @@ class Match:
     kv: Optional[KVCache]
 
 
-class KVStore:
-    """A thread-safe in-memory KV cache keyed by a chained hash of token chunks.
+_TIER_BITS = {"memory": _core.MEMORY_TIER, "disk": _core.DISK_TIER, "redis": _core.REDIS_TIER}
 
-    capacity_bytes: budget for stored bytes (KV + token ids + a small per-entry overhead); never
-        exceeded. Least recently used entries are evicted to make room.
+
+def _tier_mask(tiers: Iterable[str]) -> int:
+    if isinstance(tiers, str):
+        tiers = (tiers,)
+    mask = 0
+    for t in tiers:
+        if t not in _TIER_BITS:
+            raise ValueError(f"tiers: expected 'memory', 'disk' or 'redis', got {t!r}")
+        mask |= _TIER_BITS[t]
+    return mask
+
+
+class KVStore:
+    """A thread-safe, tiered KV cache keyed by a chained hash of token chunks.
+
+    Tiers: memory (always), a disk directory (``disk_dir``) and Redis (``redis_url``). ``put``
+    writes through to every configured tier before it returns; ``match`` looks each chunk up
+    in memory, then disk, then Redis, verifies it and promotes it into memory. A failing disk
+    or Redis is a counted miss or skipped write (see ``stats()``), never an exception.
+    docs/storage.md describes the formats, costs and failure handling.
+
+    capacity_bytes: memory budget (KV + token ids + a small per-entry overhead); never
+        exceeded.
     chunk_tokens: tokens per stored chunk; only whole chunks are stored and matched.
-    num_shards: lock shards (eviction is exact LRU with 1, LRU per shard otherwise).
+    disk_dir: directory of the disk tier (created if missing; one live store per directory).
+    disk_capacity_bytes: disk budget in bytes of 4 KiB blocks (default 16 GiB).
+    redis_url: ``redis://[[user]:password@]host[:port][/db]`` of the Redis tier.
+    num_shards: lock shards (eviction is exact with 1, per shard otherwise).
+    eviction: "lru" (default), "lfu" or "ttl" (oldest put first; needs ttl_seconds).
+    ttl_seconds: entries expire this long after their put, in every tier (0: never).
+    **options: any other field of StoreOptions (include/kvbridge/kv_store.h), e.g.
+        disk_fsync, redis_key_prefix, redis_command_timeout_ms, redis_filter,
+        redis_filter_refresh_ms.
     """
 
-    def __init__(self, capacity_bytes: int, chunk_tokens: int = 256, num_shards: int = 16):
-        self._store = _core.KVStore(int(capacity_bytes), int(chunk_tokens), int(num_shards))
+    def __init__(self, capacity_bytes: int, chunk_tokens: int = 256,
+                 disk_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
+                 disk_capacity_bytes: Optional[int] = None, redis_url: Optional[str] = None, *,
+                 num_shards: int = 16, eviction: str = "lru", ttl_seconds: int = 0,
+                 **options: Any):
+        o = _core.StoreOptions()
+        o.capacity_bytes = int(capacity_bytes)
+        o.chunk_tokens = int(chunk_tokens)
+        o.num_shards = int(num_shards)
+        o.eviction = eviction
+        o.ttl_seconds = int(ttl_seconds)
+        if disk_dir is not None:
+            o.disk_dir = os.fspath(disk_dir)
+        if disk_capacity_bytes is not None:
+            o.disk_capacity_bytes = int(disk_capacity_bytes)
+        if redis_url is not None:
+            o.redis_url = str(redis_url)
+        for name, value in options.items():
+            if name.startswith("_") or not hasattr(o, name):
+                raise TypeError(f"KVStore: unknown option {name!r}")
+            setattr(o, name, value)
+        self._store = _core.KVStore(o)
 
     @property
     def capacity_bytes(self) -> int:
@@ -74,16 +123,34 @@ class KVStore:
             kv = tuple((k.to(device), v.to(device)) for k, v in kv)
         return Match(found.tokens, kv)
 
-    def erase(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default") -> int:
-        """Removes the entries of the whole chunks of `tokens`; returns how many were removed."""
-        return self._store.erase(spec, as_tokens(tokens), namespace)
+    def erase(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default",
+              tiers: Iterable[str] = ("memory", "disk", "redis")) -> int:
+        """Removes the entries of the whole chunks of `tokens` from `tiers`.
 
-    def clear(self) -> None:
-        self._store.clear()
+        Returns how many memory and disk entries were removed (Redis deletions are not
+        counted)."""
+        return self._store.erase(spec, as_tokens(tokens), namespace, _tier_mask(tiers))
+
+    def invalidate(self, spec: _core.ModelSpec) -> dict:
+        """Removes every entry of the spec's fingerprint, in every namespace and tier.
+
+        Returns {"memory": n, "disk": n, "redis": n, "redis_complete": bool}."""
+        return self._store.invalidate(spec)
+
+    def clear(self, tiers: Iterable[str] = ("memory", "disk")) -> None:
+        """Removes every entry of `tiers`; Redis, shared with other processes, only if named."""
+        self._store.clear(_tier_mask(tiers))
 
     def stats(self) -> dict:
-        """Counters and byte accounting: see StoreStats in include/kvbridge/kv_store.h."""
+        """Counters and byte accounting: see StoreStats in include/kvbridge/kv_store.h.
+
+        Per-tier counters are under "memory", "disk" and "redis"; Redis round trips, latency
+        and the filter under "remote"."""
         return self._store.stats()
+
+    def metrics_text(self) -> str:
+        """stats() in the Prometheus text format, names prefixed kvbridge_store_."""
+        return self._store.metrics_text()
 
 
 def prefix_hashes(spec: _core.ModelSpec, tokens: Any, namespace: str = "default",

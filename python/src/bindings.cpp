@@ -30,6 +30,45 @@ TokenSpan token_span(const py::array_t<int64_t, py::array::c_style>& tokens) {
   return TokenSpan(tokens.data(), static_cast<size_t>(tokens.size()));
 }
 
+py::dict tier_dict(const TierStats& t) {
+  py::dict d;
+  d["enabled"] = t.enabled;
+  d["capacity_bytes"] = t.capacity_bytes;
+  d["bytes_used"] = t.bytes_used;
+  d["entries"] = t.entries;
+  d["hit_chunks"] = t.hit_chunks;
+  d["misses"] = t.misses;
+  d["writes"] = t.writes;
+  d["write_failures"] = t.write_failures;
+  d["evictions"] = t.evictions;
+  d["expired"] = t.expired;
+  d["corrupt"] = t.corrupt;
+  d["errors"] = t.errors;
+  d["bytes_read"] = t.bytes_read;
+  d["bytes_written"] = t.bytes_written;
+  return d;
+}
+
+py::dict remote_dict(const RemoteStats& r) {
+  py::dict d;
+  d["round_trips"] = r.round_trips;
+  d["skipped"] = r.skipped;
+  d["reconnects"] = r.reconnects;
+  d["filter_negatives"] = r.filter_negatives;
+  d["filter_passes"] = r.filter_passes;
+  d["filter_false_positives"] = r.filter_false_positives;
+  d["filter_refreshes"] = r.filter_refreshes;
+  d["filter_rebuilds"] = r.filter_rebuilds;
+  d["filter_active"] = r.filter_active;
+  d["latency_seconds_sum"] = r.latency_seconds_sum;
+  py::list bounds, buckets;
+  for (double b : RemoteStats::kLatencyBounds) bounds.append(b);
+  for (int64_t b : r.latency_buckets) buckets.append(b);
+  d["latency_bounds_seconds"] = bounds;
+  d["latency_buckets"] = buckets;
+  return d;
+}
+
 py::dict stats_dict(const StoreStats& s) {
   py::dict d;
   d["capacity_bytes"] = s.capacity_bytes;
@@ -48,6 +87,12 @@ py::dict stats_dict(const StoreStats& s) {
   d["collisions"] = s.collisions;
   d["evictions"] = s.evictions;
   d["erased"] = s.erased;
+  d["promotions"] = s.promotions;
+  d["promotions_rejected"] = s.promotions_rejected;
+  d["memory"] = tier_dict(s.memory);
+  d["disk"] = tier_dict(s.disk);
+  d["redis"] = tier_dict(s.redis);
+  d["remote"] = remote_dict(s.remote);
   return d;
 }
 
@@ -225,7 +270,43 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("keys"), py::arg("values"));
 
+  py::class_<StoreOptions>(m, "StoreOptions")
+      .def(py::init<>())
+      .def_readwrite("capacity_bytes", &StoreOptions::capacity_bytes)
+      .def_readwrite("chunk_tokens", &StoreOptions::chunk_tokens)
+      .def_readwrite("num_shards", &StoreOptions::num_shards)
+      .def_property(
+          "eviction", [](const StoreOptions& o) { return eviction_policy_name(o.eviction); },
+          [](StoreOptions& o, const std::string& name) {
+            o.eviction = parse_eviction_policy(name);
+          })
+      .def_readwrite("ttl_seconds", &StoreOptions::ttl_seconds)
+      .def_readwrite("disk_dir", &StoreOptions::disk_dir)
+      .def_readwrite("disk_capacity_bytes", &StoreOptions::disk_capacity_bytes)
+      .def_readwrite("disk_fsync", &StoreOptions::disk_fsync)
+      .def_readwrite("redis_url", &StoreOptions::redis_url)
+      .def_readwrite("redis_key_prefix", &StoreOptions::redis_key_prefix)
+      .def_readwrite("redis_connect_timeout_ms", &StoreOptions::redis_connect_timeout_ms)
+      .def_readwrite("redis_command_timeout_ms", &StoreOptions::redis_command_timeout_ms)
+      .def_readwrite("redis_pool_size", &StoreOptions::redis_pool_size)
+      .def_readwrite("redis_retry_min_ms", &StoreOptions::redis_retry_min_ms)
+      .def_readwrite("redis_retry_max_ms", &StoreOptions::redis_retry_max_ms)
+      .def_readwrite("redis_batch_bytes", &StoreOptions::redis_batch_bytes)
+      .def_readwrite("redis_filter", &StoreOptions::redis_filter)
+      .def_readwrite("redis_filter_bits", &StoreOptions::redis_filter_bits)
+      .def_readwrite("redis_filter_hashes", &StoreOptions::redis_filter_hashes)
+      .def_readwrite("redis_filter_refresh_ms", &StoreOptions::redis_filter_refresh_ms);
+
+  m.attr("MEMORY_TIER") = static_cast<unsigned>(kMemoryTier);
+  m.attr("DISK_TIER") = static_cast<unsigned>(kDiskTier);
+  m.attr("REDIS_TIER") = static_cast<unsigned>(kRedisTier);
+
   py::class_<KVStore>(m, "KVStore")
+      .def(py::init([](const StoreOptions& o) {
+             py::gil_scoped_release release;  // opening may scan a directory or connect
+             return std::make_unique<KVStore>(o);
+           }),
+           py::arg("options"))
       .def(py::init([](int64_t capacity_bytes, int64_t chunk_tokens, int num_shards) {
              StoreOptions o;
              o.capacity_bytes = capacity_bytes;
@@ -263,12 +344,33 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "erase",
           [](KVStore& store, const ModelSpec& spec,
-             const py::array_t<int64_t, py::array::c_style>& tokens, const std::string& ns) {
-            return store.erase(spec, token_span(tokens), ns);
+             const py::array_t<int64_t, py::array::c_style>& tokens, const std::string& ns,
+             unsigned tiers) {
+            const TokenSpan span = token_span(tokens);
+            py::gil_scoped_release release;
+            return store.erase(spec, span, ns, tiers);
           },
-          py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
-      .def("clear", &KVStore::clear)
-      .def("stats", [](const KVStore& s) { return stats_dict(s.stats()); });
+          py::arg("spec"), py::arg("tokens"), py::arg("namespace"), py::arg("tiers") = kAllTiers)
+      .def(
+          "invalidate",
+          [](KVStore& store, const ModelSpec& spec) {
+            InvalidateResult r;
+            {
+              py::gil_scoped_release release;
+              r = store.invalidate(spec);
+            }
+            py::dict d;
+            d["memory"] = r.memory;
+            d["disk"] = r.disk;
+            d["redis"] = r.redis;
+            d["redis_complete"] = r.redis_complete;
+            return d;
+          },
+          py::arg("spec"))
+      .def("clear", &KVStore::clear, py::arg("tiers") = kMemoryTier | kDiskTier,
+           py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](const KVStore& s) { return stats_dict(s.stats()); })
+      .def("metrics_text", &KVStore::metrics_text);
 
   py::class_<FitOptions> fit_options(m, "FitOptions");
   py::enum_<FitOptions::Selection>(fit_options, "Selection")

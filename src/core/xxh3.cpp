@@ -1,11 +1,54 @@
 #include "src/core/xxh3.h"
 
+#include <new>
+
+#include "src/core/xxh3_impl.h"
+
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
 namespace kvbridge::detail {
-Hash128 xxh3_128(const void* data, size_t size) noexcept {
-  XXH128_hash_t h = XXH3_128bits(data, size);
+namespace {
+
+Hash128 base_hash128(const void* data, size_t size) {
+  const XXH128_hash_t h = XXH3_128bits(data, size);
   return Hash128{h.low64, h.high64};
 }
+void base_reset(void* s) { XXH3_128bits_reset(static_cast<XXH3_state_t*>(s)); }
+void base_update(void* s, const void* data, size_t size) {
+  XXH3_128bits_update(static_cast<XXH3_state_t*>(s), data, size);
+}
+Hash128 base_digest(const void* s) {
+  const XXH128_hash_t h = XXH3_128bits_digest(static_cast<const XXH3_state_t*>(s));
+  return Hash128{h.low64, h.high64};
+}
+const Xxh3Impl kBase{base_hash128, base_reset, base_update, base_digest};
+
+// The one dispatch point: chosen once, on first use.
+const Xxh3Impl& impl() {
+  static const Xxh3Impl* chosen = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    if (const Xxh3Impl* avx2 = xxh3_avx2_impl()) {
+      if (__builtin_cpu_supports("avx2")) return avx2;
+    }
+#endif
+    return &kBase;
+  }();
+  return *chosen;
+}
+
+}  // namespace
+
+Hash128 xxh3_128(const void* data, size_t size) noexcept { return impl().hash128(data, size); }
+
+Xxh3Stream::Xxh3Stream() : state_(XXH3_createState()) {
+  if (!state_) throw std::bad_alloc();
+  reset();
+}
+Xxh3Stream::~Xxh3Stream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+void Xxh3Stream::reset() noexcept { impl().reset(state_); }
+void Xxh3Stream::update(const void* data, size_t size) noexcept {
+  impl().update(state_, data, size);
+}
+Hash128 Xxh3Stream::digest() const noexcept { return impl().digest(state_); }
 }  // namespace kvbridge::detail

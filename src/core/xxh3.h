@@ -1,4 +1,5 @@
 // The one place that includes xxHash (inlined, so neither the library nor its users link it).
+// Long inputs use the AVX2 build where the CPU has it (xxh3_impl.h); digests are the same.
 #pragma once
 
 #include <cstddef>
@@ -7,4 +8,20 @@
 
 namespace kvbridge::detail {
 Hash128 xxh3_128(const void* data, size_t size) noexcept;
+
+/// Incremental XXH3-128 (seed 0): update() over consecutive pieces gives the same digest as
+/// xxh3_128 over their concatenation. Not copyable.
+class Xxh3Stream {
+ public:
+  Xxh3Stream();
+  ~Xxh3Stream();
+  Xxh3Stream(const Xxh3Stream&) = delete;
+  Xxh3Stream& operator=(const Xxh3Stream&) = delete;
+  void reset() noexcept;
+  void update(const void* data, size_t size) noexcept;
+  Hash128 digest() const noexcept;
+
+ private:
+  void* state_;  // XXH3_state_t, 64-byte aligned, owned
+};
 }  // namespace kvbridge::detail

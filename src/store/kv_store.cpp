@@ -1,16 +1,24 @@
 #include "kvbridge/kv_store.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
-#include <list>
+#include <cstring>
+#include <deque>
 #include <mutex>
+#include <sstream>
 #include <unordered_map>
-
-#include <sys/mman.h>
 #include <utility>
 
 #include "kvbridge/error.h"
+#include "src/store/disk_tier.h"
+#include "src/store/entry_codec.h"
+#include "src/store/eviction_order.h"
+#include "src/store/redis_tier.h"
+#include "src/store/tier.h"
 
 namespace kvbridge {
 namespace detail {
@@ -122,8 +130,11 @@ struct ChunkEntry {
   std::vector<uint32_t> tokens;
   char* kv = nullptr;  // [layers, 2, chunk, kv_heads, head_dim], dense; kv_size bytes allocated
   size_t kv_size = 0;
+  size_t payload_bytes = 0;  // the dense KV bytes (kv_size rounds it up)
   int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
   DType dtype = DType::kFloat32;
+  Fingerprint fp{};
+  int64_t created_ms = 0;
   int64_t accounted = 0;
   std::shared_ptr<Accountant> accountant;
 
@@ -131,6 +142,10 @@ struct ChunkEntry {
   ChunkEntry(const ChunkEntry&) = delete;
   ChunkEntry& operator=(const ChunkEntry&) = delete;
   ~ChunkEntry() {
+    if (!accountant) {  // a transient entry of put(), never accounted
+      std::free(kv);
+      return;
+    }
     int64_t released = accounted;
     if (kv) {
       if (accountant->recycle(kv, kv_size)) {
@@ -155,27 +170,50 @@ struct ChunkEntry {
 
 }  // namespace detail
 
-using detail::ChunkEntry;
 using detail::allocate_payload;
 using detail::allocation_size;
+using detail::ChunkEntry;
+using detail::DiskTier;
+using detail::EntryHeader;
+using detail::EvictionOrder;
+using detail::ExpectedEntry;
+using detail::Fingerprint;
+using detail::HashOf;
+using detail::LoadResult;
+using detail::RedisTier;
+using detail::TierCounters;
+
+const char* eviction_policy_name(EvictionPolicy policy) noexcept {
+  switch (policy) {
+    case EvictionPolicy::kLRU:
+      return "lru";
+    case EvictionPolicy::kLFU:
+      return "lfu";
+    case EvictionPolicy::kTTL:
+      return "ttl";
+  }
+  return "unknown";
+}
+
+EvictionPolicy parse_eviction_policy(const std::string& name) {
+  for (EvictionPolicy p : {EvictionPolicy::kLRU, EvictionPolicy::kLFU, EvictionPolicy::kTTL})
+    if (name == eviction_policy_name(p)) return p;
+  KVB_CHECK(false, "eviction: expected 'lru', 'lfu' or 'ttl', got '" << name << "'");
+  return EvictionPolicy::kLRU;
+}
 
 namespace {
 
-struct HashOf {
-  size_t operator()(const Hash128& h) const noexcept { return static_cast<size_t>(h.low ^ h.high); }
-};
-
 struct Slot {
   std::shared_ptr<ChunkEntry> entry;
-  std::list<Hash128>::iterator lru_pos;
+  EvictionOrder::Handle order;
 };
 
 struct Shard {
+  explicit Shard(EvictionPolicy p) : order(p) {}
   std::mutex mu;
   std::unordered_map<Hash128, Slot, HashOf> map;
-  std::list<Hash128> lru;  // front: most recently used
-
-  void touch(Slot& slot) { lru.splice(lru.begin(), lru, slot.lru_pos); }
+  EvictionOrder order;
 };
 
 int64_t entry_bytes(const ModelSpec& spec, int64_t chunk) {
@@ -184,46 +222,157 @@ int64_t entry_bytes(const ModelSpec& spec, int64_t chunk) {
          StoreStats::kEntryOverheadBytes;
 }
 
+int64_t system_clock_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// One put() or match() call's identity: everything every chunk of it shares.
+struct Call {
+  const ModelSpec& spec;
+  std::string_view ns;
+  Hash128 salt;
+  Fingerprint fp;
+  int64_t chunk;
+  int64_t payload_bytes;
+  int64_t now_ms;
+};
+
+// The encoded header + tokens and checksum of a chunk, for the lower tiers.
+struct Packed {
+  std::vector<unsigned char> prefix;
+  Hash128 checksum;
+};
+
+Packed pack(const ChunkEntry& e, const Hash128& key) {
+  EntryHeader h;
+  h.dtype = e.dtype;
+  h.layers = e.layers;
+  h.chunk = e.chunk;
+  h.kv_heads = e.kv_heads;
+  h.head_dim = e.head_dim;
+  h.payload_bytes = static_cast<int64_t>(e.payload_bytes);
+  h.created_ms = e.created_ms;
+  h.key = key;
+  h.parent = e.parent;
+  h.salt = e.salt;
+  h.fingerprint = e.fp;
+  Packed p;
+  p.prefix.resize(detail::entry_prefix_bytes(e.chunk));
+  detail::encode_entry_prefix(h, e.tokens.data(), p.prefix.data());
+  p.checksum = detail::entry_checksum(p.prefix.data(), p.prefix.size(), e.kv, e.payload_bytes);
+  return p;
+}
+
 }  // namespace
 
 struct KVStore::Impl {
   explicit Impl(const StoreOptions& o)
-      : options(o), accountant(std::make_shared<detail::Accountant>(o.capacity_bytes)),
-        shards(static_cast<size_t>(o.num_shards)) {}
+      : options(o), clock(o.clock_ms ? o.clock_ms : std::function<int64_t()>(system_clock_ms)),
+        ttl_ms(o.ttl_seconds * 1000),
+        accountant(std::make_shared<detail::Accountant>(o.capacity_bytes)) {
+    for (int i = 0; i < o.num_shards; ++i) shards.push_back(std::make_unique<Shard>(o.eviction));
+  }
 
   StoreOptions options;
+  std::function<int64_t()> clock;
+  const int64_t ttl_ms;
   std::shared_ptr<detail::Accountant> accountant;
-  std::vector<Shard> shards;
+  std::vector<std::unique_ptr<Shard>> shards;
   std::atomic<uint32_t> evict_cursor{0};
+  std::unique_ptr<DiskTier> disk;
+  std::unique_ptr<RedisTier> redis;
 
   std::atomic<int64_t> entries{0}, puts{0}, chunks_inserted{0}, chunks_present{0},
       chunks_rejected{0}, matches{0}, hits{0}, misses{0}, hit_chunks{0}, collisions{0},
-      evictions{0}, erased{0};
+      erased{0}, promotions{0}, promotions_rejected{0};
+  TierCounters memory_counters, disk_counters, redis_counters;
+  detail::RemoteCounters remote_counters;
 
-  Shard& shard_for(const Hash128& h) { return shards[(h.high >> 7) % shards.size()]; }
+  bool lower_tiers() const { return disk || redis; }
 
-  // Evicts the least recently used unpinned entry of the next shard that has one.
+  Shard& shard_for(const Hash128& h) { return *shards[(h.high >> 7) % shards.size()]; }
+
+  Call call(const ModelSpec& spec, std::string_view ns) const {
+    // The fingerprint formats every field (doubles with %.17g): a few microseconds, worth
+    // keeping for the next call with the same model and namespace on this thread.
+    struct Identity {
+      ModelSpec spec;
+      std::string ns;
+      Hash128 salt;
+      Fingerprint fp{};
+      bool valid = false;
+    };
+    thread_local Identity last;
+    if (!last.valid || last.ns != ns || last.spec != spec) {
+      last.valid = false;
+      last.spec = spec;
+      last.ns.assign(ns.data(), ns.size());
+      last.fp = detail::to_fingerprint(spec.fingerprint());
+      last.salt = prefix_salt(ns, spec);
+      last.valid = true;
+    }
+    return Call{spec,
+                ns,
+                last.salt,
+                last.fp,
+                options.chunk_tokens,
+                spec.kv_bytes_per_token() * options.chunk_tokens,
+                clock()};
+  }
+
+  ExpectedEntry expected(const Call& c, const Hash128& key, const Hash128& parent,
+                         const int64_t* ids) const {
+    ExpectedEntry w;
+    w.key = key;
+    w.parent = parent;
+    w.salt = c.salt;
+    w.fingerprint = c.fp;
+    w.dtype = c.spec.dtype;
+    w.layers = c.spec.num_layers;
+    w.chunk = c.chunk;
+    w.kv_heads = c.spec.num_kv_heads;
+    w.head_dim = c.spec.head_dim;
+    w.payload_bytes = c.payload_bytes;
+    w.tokens = ids;
+    w.now_ms = c.now_ms;
+    w.ttl_ms = ttl_ms;
+    return w;
+  }
+
+  bool expired(const ChunkEntry& e, int64_t now) const {
+    return ttl_ms > 0 && now - e.created_ms >= ttl_ms;
+  }
+
+  // Removes a slot under its shard lock; the entry is handed back to be freed after unlocking.
+  std::shared_ptr<ChunkEntry> unlink_locked(Shard& s,
+                                            std::unordered_map<Hash128, Slot, HashOf>::iterator it) {
+    std::shared_ptr<ChunkEntry> gone = std::move(it->second.entry);
+    s.order.erase(it->second.order);
+    s.map.erase(it);
+    entries.fetch_sub(1, std::memory_order_relaxed);
+    return gone;
+  }
+
+  // Evicts the coldest unpinned entry of the next shard that has one.
   bool evict_one() {
     const size_t n = shards.size();
     for (size_t i = 0; i < n; ++i) {
-      Shard& s = shards[evict_cursor.fetch_add(1, std::memory_order_relaxed) % n];
+      Shard& s = *shards[evict_cursor.fetch_add(1, std::memory_order_relaxed) % n];
       std::shared_ptr<ChunkEntry> victim;  // freed after the lock is dropped
       {
         std::lock_guard<std::mutex> lock(s.mu);
-        for (auto it = s.lru.rbegin(); it != s.lru.rend(); ++it) {
-          auto slot = s.map.find(*it);
-          // use_count is exact here: every other copy is made under this lock.
-          if (slot->second.entry.use_count() == 1) {
-            victim = std::move(slot->second.entry);
-            s.lru.erase(std::next(it).base());
-            s.map.erase(slot);
-            break;
-          }
-        }
+        Hash128 key;
+        // use_count is exact here: every other copy is made under this lock.
+        if (s.order.find_coldest([&](const Hash128& k) {
+              key = k;
+              return s.map.find(k)->second.entry.use_count() == 1;
+            }))
+          victim = unlink_locked(s, s.map.find(key));
       }
       if (victim) {
-        entries.fetch_sub(1, std::memory_order_relaxed);
-        evictions.fetch_add(1, std::memory_order_relaxed);
+        TierCounters::add(memory_counters.evictions);
         return true;
       }
     }
@@ -240,14 +389,253 @@ struct KVStore::Impl {
   // Result of looking a chunk up under its shard lock.
   enum class Probe { kAbsent, kSame, kCollision };
 
+  // An expired entry is unlinked (handed back in *gone) and reported absent.
   Probe probe_and_touch(Shard& s, const Hash128& key, const Hash128& salt, const Hash128& parent,
-                        const int64_t* ids, std::shared_ptr<const ChunkEntry>* pin) {
+                        const int64_t* ids, int64_t now, std::shared_ptr<const ChunkEntry>* pin,
+                        std::shared_ptr<ChunkEntry>* gone) {
     auto it = s.map.find(key);
     if (it == s.map.end()) return Probe::kAbsent;
+    if (expired(*it->second.entry, now)) {
+      *gone = unlink_locked(s, it);
+      TierCounters::add(memory_counters.expired);
+      return Probe::kAbsent;
+    }
     if (!it->second.entry->same_chunk(salt, parent, ids)) return Probe::kCollision;
-    s.touch(it->second);
+    s.order.touch(it->second.order, key);
     if (pin) *pin = it->second.entry;
     return Probe::kSame;
+  }
+
+  Probe probe(const Hash128& key, const Hash128& salt, const Hash128& parent, const int64_t* ids,
+              int64_t now, std::shared_ptr<const ChunkEntry>* pin) {
+    Shard& s = shard_for(key);
+    std::shared_ptr<ChunkEntry> gone;
+    std::lock_guard<std::mutex> lock(s.mu);
+    return probe_and_touch(s, key, salt, parent, ids, now, pin, &gone);
+  }
+
+  bool in_memory(const Hash128& key) {
+    Shard& s = shard_for(key);
+    std::lock_guard<std::mutex> lock(s.mu);
+    return s.map.count(key) != 0;
+  }
+
+  // A new entry with its budget reserved and its payload allocated (contents not yet written),
+  // or nullptr when no room can be made.
+  std::shared_ptr<ChunkEntry> new_entry(const Call& c, const Hash128& parent, const int64_t* ids,
+                                        int64_t created_ms) {
+    const int64_t bytes = entry_bytes(c.spec, c.chunk);
+    auto entry = std::make_shared<ChunkEntry>();
+    entry->accountant = accountant;
+    if (!reserve(bytes)) return nullptr;
+    entry->accounted = bytes;
+    entry->salt = c.salt;
+    entry->parent = parent;
+    entry->tokens.assign(ids, ids + c.chunk);
+    entry->layers = c.spec.num_layers;
+    entry->chunk = c.chunk;
+    entry->kv_heads = c.spec.num_kv_heads;
+    entry->head_dim = c.spec.head_dim;
+    entry->dtype = c.spec.dtype;
+    entry->fp = c.fp;
+    entry->created_ms = created_ms;
+    entry->payload_bytes = static_cast<size_t>(c.payload_bytes);
+    entry->kv_size = allocation_size(entry->payload_bytes);
+    entry->kv = accountant->take(entry->kv_size);
+    if (!entry->kv) entry->kv = allocate_payload(entry->payload_bytes);
+    return entry;
+  }
+
+  // Inserts a filled entry unless the key is present meanwhile. *pin gets whichever entry the
+  // index holds for the chunk; returns kCollision (and no pin) when it holds another chunk.
+  Probe insert(const Hash128& key, std::shared_ptr<ChunkEntry> entry, int64_t now,
+               std::shared_ptr<const ChunkEntry>* pin, bool* inserted) {
+    Shard& s = shard_for(key);
+    std::shared_ptr<ChunkEntry> gone;
+    std::lock_guard<std::mutex> lock(s.mu);
+    *inserted = false;
+    auto it = s.map.find(key);
+    if (it != s.map.end()) {
+      const ChunkEntry& held = *it->second.entry;
+      if (expired(held, now)) {
+        gone = unlink_locked(s, it);
+        TierCounters::add(memory_counters.expired);
+      } else if (held.salt != entry->salt || held.parent != entry->parent ||
+                 held.tokens != entry->tokens) {
+        return Probe::kCollision;
+      } else {
+        s.order.touch(it->second.order, key);
+        *pin = it->second.entry;
+        return Probe::kSame;
+      }
+    }
+    *pin = entry;
+    const int64_t created = entry->created_ms;
+    auto& slot = s.map[key];
+    slot.entry = std::move(entry);
+    slot.order = s.order.insert(key, created);
+    entries.fetch_add(1, std::memory_order_relaxed);
+    TierCounters::add(memory_counters.writes);
+    *inserted = true;
+    return Probe::kAbsent;
+  }
+
+  // --- match(): the lower tiers -------------------------------------------------------------
+
+  // The chain keys of one call, hashed on demand.
+  struct Keys {
+    const int64_t* tokens;
+    int64_t chunk;
+    std::vector<Hash128> h;  // h[c] = key of chunk c
+    Hash128 salt;
+    const Hash128& at(size_t c) {
+      while (h.size() <= c) {
+        const Hash128 parent = h.empty() ? salt : h.back();
+        h.push_back(chain_hash(parent, tokens + static_cast<int64_t>(h.size()) * chunk, chunk));
+      }
+      return h[c];
+    }
+    Hash128 parent(size_t c) { return c == 0 ? salt : at(c - 1); }
+  };
+
+  // What one fetched Redis value became: verified into a new (not yet indexed) entry, or not.
+  struct RemoteSlot {
+    bool present = false;
+    bool no_room = false;
+    bool drop = false;  // corrupt or expired: delete it from the server
+    LoadResult result = LoadResult::kMiss;
+    std::shared_ptr<ChunkEntry> entry;
+  };
+  // A window of Redis values fetched in one round trip: chunks [begin, begin + count).
+  struct RemoteWindow {
+    size_t begin = 0;
+    size_t count = 0;
+    std::vector<RemoteSlot> slots;
+    std::vector<std::string> names;
+  };
+
+  // Fetches the values of chunk c and of the following chunks that neither memory nor disk
+  // holds and the filter lets through, up to redis_batch_bytes. False: chunk c is a miss.
+  bool fetch_window(const Call& call, Keys& keys, size_t c, size_t chunks, RemoteWindow* w) {
+    detail::RemoteCounters& rc = remote_counters;
+    if (!redis->may_contain(keys.at(c))) {
+      TierCounters::add(rc.filter_negatives);
+      TierCounters::add(redis_counters.misses);
+      return false;
+    }
+    TierCounters::add(rc.filter_passes);
+    const size_t value_bytes =
+        detail::entry_encoded_bytes(call.chunk, call.payload_bytes);
+    const size_t limit = std::max<size_t>(
+        1, std::min<size_t>(1024, static_cast<size_t>(options.redis_batch_bytes) / value_bytes));
+    w->begin = c;
+    w->names.clear();
+    w->names.push_back(redis->key_for(call.ns, call.fp, keys.at(c)));
+    for (size_t k = c + 1; k < chunks && w->names.size() < limit; ++k) {
+      const Hash128& key = keys.at(k);
+      if (!redis->may_contain(key) || in_memory(key) || (disk && disk->contains(key))) break;
+      w->names.push_back(redis->key_for(call.ns, call.fp, key));
+    }
+    w->count = w->names.size();
+    w->slots.assign(w->count, RemoteSlot{});
+    // Each value is verified and copied into its entry while hiredis parses the reply.
+    auto consume = [&](size_t i, const unsigned char* data, size_t size) {
+      if (i >= w->count) return;
+      RemoteSlot& slot = w->slots[i];
+      slot.present = true;
+      const size_t k = w->begin + i;
+      const int64_t* ids = keys.tokens + static_cast<int64_t>(k) * call.chunk;
+      const ExpectedEntry want = expected(call, keys.at(k), keys.parent(k), ids);
+      slot.entry = new_entry(call, keys.parent(k), ids, call.now_ms);
+      if (!slot.entry) {
+        slot.no_room = true;
+        return;
+      }
+      int64_t created = 0;
+      slot.result = detail::load_value(data, size, want, slot.entry->kv, &created,
+                                       &redis_counters, &slot.drop);
+      if (slot.result == LoadResult::kHit) {
+        slot.entry->created_ms = created;
+      } else {
+        slot.entry.reset();
+      }
+    };
+    if (!redis->fetch(w->names, consume)) {
+      w->count = 0;
+      w->slots.clear();
+      TierCounters::add(redis_counters.misses);
+      return false;
+    }
+    std::vector<std::string> damaged;
+    for (size_t i = 0; i < w->count; ++i)
+      if (w->slots[i].drop) damaged.push_back(w->names[i]);
+    if (!damaged.empty()) redis->remove(damaged);
+    return true;
+  }
+
+  // Looks chunk c up in the disk tier, then Redis, and promotes a hit into memory. Returns the
+  // pinned entry, or nullptr (a miss or a collision, *collision says which; or no room).
+  std::shared_ptr<const ChunkEntry> load_lower(const Call& call, Keys& keys, size_t c,
+                                               size_t chunks, RemoteWindow* window,
+                                               bool* collision) {
+    const Hash128 key = keys.at(c);
+    const Hash128 parent = keys.parent(c);
+    const int64_t* ids = keys.tokens + static_cast<int64_t>(c) * call.chunk;
+    const ExpectedEntry want = expected(call, key, parent, ids);
+    std::shared_ptr<ChunkEntry> entry;
+    auto promote = [&](TierCounters& tier) -> std::shared_ptr<const ChunkEntry> {
+      std::shared_ptr<const ChunkEntry> pin;
+      bool inserted = false;
+      if (insert(key, std::move(entry), call.now_ms, &pin, &inserted) == Probe::kCollision) {
+        *collision = true;
+        return nullptr;
+      }
+      if (inserted) promotions.fetch_add(1, std::memory_order_relaxed);
+      TierCounters::add(tier.hit_chunks);
+      return pin;
+    };
+    auto allocate = [&](int64_t created) {
+      if (!entry) entry = new_entry(call, parent, ids, created);
+      if (!entry) promotions_rejected.fetch_add(1, std::memory_order_relaxed);
+      return entry != nullptr;
+    };
+
+    if (disk) {
+      if (disk->contains(key)) {
+        if (!allocate(call.now_ms)) return nullptr;
+        int64_t created = 0;
+        const LoadResult r = disk->load(want, entry->kv, &created);
+        if (r == LoadResult::kHit) {
+          entry->created_ms = created;
+          return promote(disk_counters);
+        }
+        if (r == LoadResult::kCollision) {
+          *collision = true;
+          return nullptr;
+        }
+      } else {
+        TierCounters::add(disk_counters.misses);
+      }
+    }
+    if (!redis) return nullptr;
+    if (c < window->begin || c >= window->begin + window->count) {
+      if (!fetch_window(call, keys, c, chunks, window)) return nullptr;
+    }
+    RemoteSlot& slot = window->slots[c - window->begin];
+    if (!slot.present) {
+      TierCounters::add(redis_counters.misses);
+      if (redis->filter_active())
+        TierCounters::add(remote_counters.filter_false_positives);
+      return nullptr;
+    }
+    if (slot.no_room) {
+      promotions_rejected.fetch_add(1, std::memory_order_relaxed);
+      return nullptr;
+    }
+    if (slot.result == LoadResult::kCollision) *collision = true;
+    if (slot.result != LoadResult::kHit) return nullptr;
+    entry = std::move(slot.entry);
+    return promote(redis_counters);
   }
 };
 
@@ -257,7 +645,19 @@ KVStore::KVStore(const StoreOptions& options) {
   KVB_CHECK(options.chunk_tokens > 0, "chunk_tokens must be > 0, got " << options.chunk_tokens);
   KVB_CHECK(options.num_shards >= 1 && options.num_shards <= 1024,
             "num_shards must be in [1, 1024], got " << options.num_shards);
+  KVB_CHECK(options.ttl_seconds >= 0, "ttl_seconds must be >= 0, got " << options.ttl_seconds);
+  KVB_CHECK(options.eviction != EvictionPolicy::kTTL || options.ttl_seconds > 0,
+            "eviction 'ttl' needs ttl_seconds > 0");
+  KVB_CHECK(options.disk_dir.empty() || options.disk_capacity_bytes > 0,
+            "disk_capacity_bytes must be > 0, got " << options.disk_capacity_bytes);
   impl_ = std::make_unique<Impl>(options);
+  if (!options.disk_dir.empty()) {
+    impl_->disk = std::make_unique<DiskTier>(options, impl_->clock, &impl_->disk_counters);
+  }
+  if (!options.redis_url.empty()) {
+    impl_->redis = std::make_unique<RedisTier>(options, &impl_->redis_counters,
+                                               &impl_->remote_counters);
+  }
 }
 
 KVStore::~KVStore() = default;
@@ -276,74 +676,127 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
             "kv: the store copies host memory; move CUDA tensors to the CPU first");
   m.puts.fetch_add(1, std::memory_order_relaxed);
 
-  const int64_t chunk = m.options.chunk_tokens;
+  const Call call = m.call(spec, ns);
+  const int64_t chunk = call.chunk;
   const int64_t chunks = static_cast<int64_t>(tokens.size) / chunk;
-  const int64_t bytes = entry_bytes(spec, chunk);
-  const Hash128 salt = prefix_salt(ns, spec);
-  Hash128 parent = salt;
-  int64_t stored = 0;
+  Hash128 parent = call.salt;
   // This call's chunks stay pinned until it returns, so making room for chunk c never evicts
-  // chunks 0..c-1 of the same prefix.
+  // chunks 0..c-1 of the same prefix (and the lower tiers can be written from them).
   std::vector<std::shared_ptr<const ChunkEntry>> held;
   held.reserve(static_cast<size_t>(chunks));
+  // kept[c]: chunk c is in memory or on disk; Redis results arrive when a batch is flushed.
+  std::vector<char> kept;
+  struct RemoteWrite {
+    int64_t chunk;
+    Hash128 key;
+    std::shared_ptr<const ChunkEntry> entry;
+    Packed packed;
+  };
+  std::deque<RemoteWrite> pending;  // deque: stable element addresses
+  std::vector<char> remote_ok(static_cast<size_t>(chunks), 0);
+  size_t pending_bytes = 0;
+  auto flush = [&] {
+    if (pending.empty()) return;
+    std::vector<RedisTier::Write> writes;
+    for (const RemoteWrite& w : pending) {
+      writes.push_back({m.redis->key_for(ns, call.fp, w.key), w.key, w.packed.prefix.data(),
+                        w.packed.prefix.size(), w.entry->kv, w.entry->payload_bytes,
+                        w.packed.checksum});
+    }
+    const bool ok = m.redis->store(writes, m.ttl_ms);
+    for (const RemoteWrite& w : pending) remote_ok[static_cast<size_t>(w.chunk)] = ok;
+    pending.clear();
+    pending_bytes = 0;
+  };
+
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t* ids = tokens.data + c * chunk;
     const Hash128 key = chain_hash(parent, ids, chunk);
-    Shard& s = m.shard_for(key);
-    Impl::Probe found;
     std::shared_ptr<const ChunkEntry> pinned;
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      found = m.probe_and_touch(s, key, salt, parent, ids, &pinned);
-    }
+    Impl::Probe found = m.probe(key, call.salt, parent, ids, call.now_ms, &pinned);
     if (found == Impl::Probe::kCollision) {
       m.collisions.fetch_add(1, std::memory_order_relaxed);
       break;
     }
+    bool inserted = false;
+    std::shared_ptr<ChunkEntry> fresh;
     if (found == Impl::Probe::kAbsent) {
-      auto entry = std::make_shared<ChunkEntry>();
-      entry->accountant = m.accountant;
-      if (!m.reserve(bytes)) {
-        m.chunks_rejected.fetch_add(chunks - c, std::memory_order_relaxed);
-        break;
-      }
-      entry->accounted = bytes;
-      entry->salt = salt;
-      entry->parent = parent;
-      entry->tokens.assign(ids, ids + chunk);
-      entry->layers = spec.num_layers;
-      entry->chunk = chunk;
-      entry->kv_heads = spec.num_kv_heads;
-      entry->head_dim = spec.head_dim;
-      entry->dtype = spec.dtype;
-      const size_t payload = static_cast<size_t>(spec.kv_bytes_per_token() * chunk);
-      entry->kv_size = allocation_size(payload);
-      entry->kv = m.accountant->take(entry->kv_size);
-      if (!entry->kv) entry->kv = allocate_payload(payload);
-      copy_kv(kv.slice_tokens(c * chunk, chunk), entry->view());
-
-      std::lock_guard<std::mutex> lock(s.mu);
-      found = m.probe_and_touch(s, key, salt, parent, ids, &pinned);
-      if (found == Impl::Probe::kCollision) {
-        m.collisions.fetch_add(1, std::memory_order_relaxed);
-        break;
-      }
-      if (found == Impl::Probe::kAbsent) {  // else another thread stored it meanwhile
-        pinned = entry;
-        s.lru.push_front(key);
-        s.map.emplace(key, Slot{std::move(entry), s.lru.begin()});
-        m.entries.fetch_add(1, std::memory_order_relaxed);
-        m.chunks_inserted.fetch_add(1, std::memory_order_relaxed);
+      fresh = m.new_entry(call, parent, ids, call.now_ms);
+      if (fresh) {
+        copy_kv(kv.slice_tokens(c * chunk, chunk), fresh->view());
+        found = m.insert(key, fresh, call.now_ms, &pinned, &inserted);
+        if (found == Impl::Probe::kCollision) {
+          m.collisions.fetch_add(1, std::memory_order_relaxed);
+          break;
+        }
       } else {
-        m.chunks_present.fetch_add(1, std::memory_order_relaxed);
+        TierCounters::add(m.memory_counters.write_failures);
       }
-    } else {
+    }
+    if (inserted) {
+      m.chunks_inserted.fetch_add(1, std::memory_order_relaxed);
+    } else if (pinned) {
       m.chunks_present.fetch_add(1, std::memory_order_relaxed);
     }
-    held.push_back(std::move(pinned));
+    bool in_lower = false;
+    if (m.lower_tiers()) {
+      // Without room in memory the chunk is packed from the caller's view into a transient
+      // entry of its own (not accounted: it lives only until this call returns).
+      std::shared_ptr<const ChunkEntry> source = pinned;
+      if (!source) {
+        auto transient = std::make_shared<ChunkEntry>();
+        transient->salt = call.salt;
+        transient->parent = parent;
+        transient->tokens.assign(ids, ids + chunk);
+        transient->layers = spec.num_layers;
+        transient->chunk = chunk;
+        transient->kv_heads = spec.num_kv_heads;
+        transient->head_dim = spec.head_dim;
+        transient->dtype = spec.dtype;
+        transient->fp = call.fp;
+        transient->created_ms = call.now_ms;
+        transient->payload_bytes = static_cast<size_t>(call.payload_bytes);
+        transient->kv_size = allocation_size(transient->payload_bytes);
+        transient->kv = allocate_payload(transient->payload_bytes);
+        copy_kv(kv.slice_tokens(c * chunk, chunk), transient->view());
+        source = std::move(transient);
+      }
+      const bool to_disk = m.disk && !m.disk->contains(key);
+      const bool to_redis = m.redis && (inserted || !pinned);
+      if (to_disk || to_redis) {
+        Packed packed = pack(*source, key);
+        if (to_disk) {
+          in_lower = m.disk->store(key, call.fp, packed.prefix.data(), packed.prefix.size(),
+                                   source->kv, source->payload_bytes, packed.checksum,
+                                   source->created_ms);
+        } else if (m.disk) {
+          in_lower = true;  // already there
+        }
+        if (to_redis) {
+          pending_bytes += packed.prefix.size() + source->payload_bytes;
+          pending.push_back({c, key, source, std::move(packed)});
+          if (pending_bytes >= static_cast<size_t>(m.options.redis_batch_bytes)) flush();
+        }
+      } else {
+        in_lower = m.disk != nullptr;
+      }
+    }
+    if (!pinned && !in_lower && !m.redis) {
+      m.chunks_rejected.fetch_add(chunks - c, std::memory_order_relaxed);
+      break;
+    }
+    kept.push_back(pinned != nullptr || in_lower);
+    if (pinned) held.push_back(std::move(pinned));
     parent = key;
-    stored = c + 1;
   }
+  if (m.redis) flush();
+  int64_t stored = 0;
+  while (stored < static_cast<int64_t>(kept.size()) &&
+         (kept[static_cast<size_t>(stored)] || remote_ok[static_cast<size_t>(stored)]))
+    ++stored;
+  if (stored < static_cast<int64_t>(kept.size()))
+    m.chunks_rejected.fetch_add(static_cast<int64_t>(kept.size()) - stored,
+                                std::memory_order_relaxed);
   return stored * chunk;
 }
 
@@ -351,26 +804,33 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
   Impl& m = *impl_;
   spec.validate();
   check_tokens(tokens);
-  const int64_t chunk = m.options.chunk_tokens;
-  const int64_t chunks = static_cast<int64_t>(tokens.size) / chunk;
-  const Hash128 salt = prefix_salt(ns, spec);
+  const Call call = m.call(spec, ns);
+  const int64_t chunk = call.chunk;
+  const size_t chunks = tokens.size / static_cast<size_t>(chunk);
   Match result;
   result.chunk_tokens_ = chunk;
-  Hash128 parent = salt;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t* ids = tokens.data + c * chunk;
-    const Hash128 key = chain_hash(parent, ids, chunk);  // hashed lazily: a miss stops early
-    Shard& s = m.shard_for(key);
+  Impl::Keys keys{tokens.data, chunk, {}, call.salt};  // hashed lazily: a miss stops early
+  Impl::RemoteWindow window;
+  for (size_t c = 0; c < chunks; ++c) {
+    const Hash128 key = keys.at(c);
+    const int64_t* ids = tokens.data + static_cast<int64_t>(c) * chunk;
     std::shared_ptr<const ChunkEntry> pinned;
-    Impl::Probe found;
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      found = m.probe_and_touch(s, key, salt, parent, ids, &pinned);
+    const Impl::Probe found = m.probe(key, call.salt, keys.parent(c), ids, call.now_ms, &pinned);
+    if (found == Impl::Probe::kCollision) {
+      m.collisions.fetch_add(1, std::memory_order_relaxed);
+      break;
     }
-    if (found == Impl::Probe::kCollision) m.collisions.fetch_add(1, std::memory_order_relaxed);
-    if (found != Impl::Probe::kSame) break;
+    if (found == Impl::Probe::kSame) {
+      TierCounters::add(m.memory_counters.hit_chunks);
+    } else {
+      TierCounters::add(m.memory_counters.misses);
+      if (!m.lower_tiers()) break;
+      bool collision = false;
+      pinned = m.load_lower(call, keys, c, chunks, &window, &collision);
+      if (collision) m.collisions.fetch_add(1, std::memory_order_relaxed);
+      if (!pinned) break;
+    }
     result.entries_.push_back(std::move(pinned));
-    parent = key;
   }
   result.tokens_ = result.chunks() * chunk;
   m.matches.fetch_add(1, std::memory_order_relaxed);
@@ -379,7 +839,8 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
   return result;
 }
 
-int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) {
+int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view ns,
+                       unsigned tiers) {
   Impl& m = *impl_;
   spec.validate();
   const int64_t chunk = m.options.chunk_tokens;
@@ -387,39 +848,74 @@ int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view
   const std::vector<Hash128> keys = prefix_hashes(salt, tokens, chunk);
   int64_t removed = 0;
   Hash128 parent = salt;
+  std::vector<std::string> remote;
+  const Fingerprint fp = detail::to_fingerprint(spec.fingerprint());
   for (size_t c = 0; c < keys.size(); ++c) {
-    Shard& s = m.shard_for(keys[c]);
-    std::shared_ptr<ChunkEntry> gone;  // freed after the lock is dropped
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      auto it = s.map.find(keys[c]);
-      if (it != s.map.end() &&
-          it->second.entry->same_chunk(salt, parent, tokens.data + c * chunk)) {
-        gone = std::move(it->second.entry);
-        s.lru.erase(it->second.lru_pos);
-        s.map.erase(it);
+    if (tiers & kMemoryTier) {
+      Shard& s = m.shard_for(keys[c]);
+      std::shared_ptr<ChunkEntry> gone;  // freed after the lock is dropped
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        auto it = s.map.find(keys[c]);
+        if (it != s.map.end() &&
+            it->second.entry->same_chunk(salt, parent, tokens.data + c * chunk)) {
+          gone = m.unlink_locked(s, it);
+        }
+      }
+      if (gone) {
+        ++removed;
+        m.erased.fetch_add(1, std::memory_order_relaxed);
       }
     }
-    if (gone) ++removed;
+    if ((tiers & kDiskTier) && m.disk && m.disk->erase(keys[c])) ++removed;
+    if ((tiers & kRedisTier) && m.redis) remote.push_back(m.redis->key_for(ns, fp, keys[c]));
     parent = keys[c];
   }
-  m.entries.fetch_sub(removed, std::memory_order_relaxed);
-  m.erased.fetch_add(removed, std::memory_order_relaxed);
+  if (!remote.empty()) m.redis->remove(remote);
   return removed;
 }
 
-void KVStore::clear() {
+InvalidateResult KVStore::invalidate(const ModelSpec& spec) {
   Impl& m = *impl_;
-  for (Shard& s : m.shards) {
-    std::unordered_map<Hash128, Slot, HashOf> gone;
+  spec.validate();
+  const Fingerprint fp = detail::to_fingerprint(spec.fingerprint());
+  InvalidateResult r;
+  for (auto& shard : m.shards) {
+    Shard& s = *shard;
+    std::vector<std::shared_ptr<ChunkEntry>> gone;
     {
       std::lock_guard<std::mutex> lock(s.mu);
-      gone.swap(s.map);
-      s.lru.clear();
+      for (auto it = s.map.begin(); it != s.map.end();) {
+        auto next = std::next(it);
+        if (it->second.entry->fp == fp) gone.push_back(m.unlink_locked(s, it));
+        it = next;
+      }
     }
-    m.entries.fetch_sub(static_cast<int64_t>(gone.size()), std::memory_order_relaxed);
-    m.erased.fetch_add(static_cast<int64_t>(gone.size()), std::memory_order_relaxed);
+    r.memory += static_cast<int64_t>(gone.size());
   }
+  m.erased.fetch_add(r.memory, std::memory_order_relaxed);
+  if (m.disk) r.disk = m.disk->invalidate(fp);
+  if (m.redis) r.redis = m.redis->invalidate(fp, &r.redis_complete);
+  return r;
+}
+
+void KVStore::clear(unsigned tiers) {
+  Impl& m = *impl_;
+  if (tiers & kMemoryTier) {
+    for (auto& shard : m.shards) {
+      Shard& s = *shard;
+      std::unordered_map<Hash128, Slot, HashOf> gone;
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        gone.swap(s.map);
+        s.order.clear();
+      }
+      m.entries.fetch_sub(static_cast<int64_t>(gone.size()), std::memory_order_relaxed);
+      m.erased.fetch_add(static_cast<int64_t>(gone.size()), std::memory_order_relaxed);
+    }
+  }
+  if ((tiers & kDiskTier) && m.disk) m.disk->clear();
+  if ((tiers & kRedisTier) && m.redis) m.redis->clear();
 }
 
 StoreStats KVStore::stats() const {
@@ -440,9 +936,139 @@ StoreStats KVStore::stats() const {
   st.misses = get(m.misses);
   st.hit_chunks = get(m.hit_chunks);
   st.collisions = get(m.collisions);
-  st.evictions = get(m.evictions);
+  st.evictions = get(m.memory_counters.evictions);
   st.erased = get(m.erased);
+  st.promotions = get(m.promotions);
+  st.promotions_rejected = get(m.promotions_rejected);
+
+  m.memory_counters.fill(&st.memory);
+  st.memory.enabled = true;
+  st.memory.capacity_bytes = st.capacity_bytes;
+  st.memory.bytes_used = st.bytes_used;
+  st.memory.entries = st.entries;
+
+  m.disk_counters.fill(&st.disk);
+  if (m.disk) {
+    st.disk.enabled = true;
+    st.disk.capacity_bytes = m.disk->capacity_bytes();
+    st.disk.bytes_used = m.disk->bytes_used();
+    st.disk.entries = m.disk->entries();
+  }
+  m.redis_counters.fill(&st.redis);
+  m.remote_counters.fill(&st.remote);
+  if (m.redis) {
+    st.redis.enabled = true;
+    st.remote.filter_active = m.redis->filter_active();
+  }
   return st;
+}
+
+std::string KVStore::metrics_text() const {
+  const StoreStats st = stats();
+  std::ostringstream out;
+  auto family = [&](const char* name, const char* type, const char* help) {
+    out << "# HELP kvbridge_store_" << name << ' ' << help << '\n'
+        << "# TYPE kvbridge_store_" << name << ' ' << type << '\n';
+  };
+  auto sample = [&](const char* name, const std::string& labels, double v) {
+    out << "kvbridge_store_" << name;
+    if (!labels.empty()) out << '{' << labels << '}';
+    out << ' ' << v << '\n';
+  };
+  const std::pair<const char*, const TierStats*> tiers[] = {
+      {"memory", &st.memory}, {"disk", &st.disk}, {"redis", &st.redis}};
+  struct TierMetric {
+    const char* name;
+    const char* type;
+    const char* help;
+    int64_t TierStats::*field;
+  };
+  const TierMetric per_tier[] = {
+      {"tier_enabled", "gauge", "1 when the tier is configured.", nullptr},
+      {"capacity_bytes", "gauge", "Byte budget of the tier (0: none of its own).",
+       &TierStats::capacity_bytes},
+      {"bytes", "gauge", "Bytes the tier holds (memory: accounted; disk: file blocks).",
+       &TierStats::bytes_used},
+      {"entries", "gauge", "Chunk entries the tier indexes.", &TierStats::entries},
+      {"hits_total", "counter", "Chunks served to match() by the tier.", &TierStats::hit_chunks},
+      {"misses_total", "counter", "Chunk lookups that reached the tier and found nothing.",
+       &TierStats::misses},
+      {"writes_total", "counter", "Entries written to the tier.", &TierStats::writes},
+      {"write_failures_total", "counter", "Writes that failed or were skipped.",
+       &TierStats::write_failures},
+      {"evictions_total", "counter", "Entries evicted to make room.", &TierStats::evictions},
+      {"expired_total", "counter", "Entries found past their TTL.", &TierStats::expired},
+      {"corrupt_total", "counter", "Entries that failed validation.", &TierStats::corrupt},
+      {"errors_total", "counter", "I/O or remote errors.", &TierStats::errors},
+      {"read_bytes_total", "counter", "Entry bytes read from the tier.", &TierStats::bytes_read},
+      {"written_bytes_total", "counter", "Entry bytes written to the tier.",
+       &TierStats::bytes_written},
+  };
+  out.precision(17);
+  for (const TierMetric& tm : per_tier) {
+    family(tm.name, tm.type, tm.help);
+    for (const auto& [tier, ts] : tiers) {
+      const double v = tm.field ? static_cast<double>(ts->*(tm.field)) : (ts->enabled ? 1 : 0);
+      sample(tm.name, std::string("tier=\"") + tier + "\"", v);
+    }
+  }
+  const std::tuple<const char*, const char*, const char*, int64_t> scalars[] = {
+      {"puts_total", "counter", "put() calls.", st.puts},
+      {"matches_total", "counter", "match() calls.", st.matches},
+      {"match_hits_total", "counter", "match() calls that returned at least one chunk.", st.hits},
+      {"match_misses_total", "counter", "match() calls that returned nothing.", st.misses},
+      {"hit_chunks_total", "counter", "Chunks returned by match(), from any tier.",
+       st.hit_chunks},
+      {"collisions_total", "counter", "Entries rejected by the token, parent or salt check.",
+       st.collisions},
+      {"chunks_rejected_total", "counter", "put() chunks that no tier took.",
+       st.chunks_rejected},
+      {"promotions_total", "counter", "Chunks copied into memory from a lower tier.",
+       st.promotions},
+      {"promotions_rejected_total", "counter", "Lower-tier hits dropped for lack of memory.",
+       st.promotions_rejected},
+      {"peak_bytes", "gauge", "Highest accounted memory bytes reached.", st.peak_bytes},
+      {"recycled_bytes", "gauge", "Freed payload buffers kept for reuse.", st.recycled_bytes},
+      {"remote_round_trips_total", "counter", "Redis commands or pipelines answered.",
+       st.remote.round_trips},
+      {"remote_errors_total", "counter", "Redis errors (failed or timed-out commands).",
+       st.redis.errors},
+      {"remote_skipped_total", "counter", "Redis operations skipped while it was marked down.",
+       st.remote.skipped},
+      {"remote_reconnects_total", "counter", "Reconnects to Redis after a failure.",
+       st.remote.reconnects},
+      {"filter_negatives_total", "counter", "Lookups the filter answered as sure misses.",
+       st.remote.filter_negatives},
+      {"filter_passes_total", "counter", "Lookups the filter let through.",
+       st.remote.filter_passes},
+      {"filter_false_positives_total", "counter", "Lookups let through that found nothing.",
+       st.remote.filter_false_positives},
+      {"filter_refreshes_total", "counter", "Filter copies fetched.", st.remote.filter_refreshes},
+      {"filter_rebuilds_total", "counter", "Filters rebuilt from the keys.",
+       st.remote.filter_rebuilds},
+      {"filter_active", "gauge", "1 while a usable filter copy is in use.",
+       st.remote.filter_active ? 1 : 0},
+  };
+  for (const auto& [name, type, help, v] : scalars) {
+    family(name, type, help);
+    sample(name, "", static_cast<double>(v));
+  }
+  family("remote_latency_seconds", "histogram", "Latency of answered Redis round trips.");
+  for (int i = 0; i < RemoteStats::kLatencyBuckets; ++i) {
+    std::ostringstream le;
+    le.precision(6);
+    if (i + 1 < RemoteStats::kLatencyBuckets) {
+      le << RemoteStats::kLatencyBounds[static_cast<size_t>(i)];
+    } else {
+      le << "+Inf";
+    }
+    sample("remote_latency_seconds_bucket", "le=\"" + le.str() + "\"",
+           static_cast<double>(st.remote.latency_buckets[static_cast<size_t>(i)]));
+  }
+  sample("remote_latency_seconds_sum", "", st.remote.latency_seconds_sum);
+  sample("remote_latency_seconds_count", "",
+         static_cast<double>(st.remote.latency_buckets[RemoteStats::kLatencyBuckets - 1]));
+  return out.str();
 }
 
 Match::~Match() = default;

@@ -75,3 +75,90 @@ TEST(KVStoreStress, EightThreadsEveryHitExact) {
 
 }  // namespace
 }  // namespace kvbridge
+
+#include "process_util.h"
+
+namespace kvbridge {
+namespace {
+
+// 4 threads of put / match / erase / lookups of never-stored prefixes against a store whose
+// memory holds a fraction of the working set, with the disk and (when redis-server exists)
+// Redis tiers: hits come from every tier, promotions and evictions race, and every hit must
+// be byte-exact. Also the ThreadSanitizer target for the tiers (see docs/storage.md).
+TEST(KVStoreStress, AllTiersEveryHitExact) {
+  const ModelSpec spec = testing::small_spec(DType::kBFloat16, 2, 2, 8);
+  testing::TempDir dir;
+  testing::RedisServer redis;
+  const bool with_redis = !testing::RedisServer::binary().empty() && redis.start();
+  StoreOptions o;
+  o.chunk_tokens = kChunk;
+  o.num_shards = 4;
+  const int64_t entry =
+      spec.kv_bytes_per_token() * kChunk + 4 * kChunk + StoreStats::kEntryOverheadBytes;
+  o.capacity_bytes = 24 * entry;
+  o.disk_dir = dir.path;
+  o.disk_fsync = false;
+  o.disk_capacity_bytes = 60 * 4096;  // about half the working set on disk
+  if (with_redis) {
+    o.redis_url = redis.url();
+    o.redis_filter_refresh_ms = 20;  // refreshes race with lookups too
+  }
+  KVStore store(o);
+
+  std::vector<std::vector<int64_t>> prompts(kPrompts);
+  std::vector<std::unique_ptr<testing::DenseKV>> kvs;
+  for (int p = 0; p < kPrompts; ++p) {
+    prompts[p] = testing::random_tokens(kChunk * (1 + p % 4), 7000 + p);
+    kvs.push_back(std::make_unique<testing::DenseKV>(
+        spec, static_cast<int64_t>(prompts[p].size()), 7000 + p));
+  }
+  std::atomic<int64_t> bad{0}, hits{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      for (int op = 0; op < 1500; ++op) {
+        const int p = static_cast<int>(rng() % kPrompts);
+        const int kind = static_cast<int>(rng() % 20);
+        if (kind < 6) {
+          store.put(spec, prompts[p], kvs[p]->view);
+        } else if (kind < 17) {
+          Match m = store.match(spec, prompts[p]);
+          if (m.tokens() == 0) continue;
+          hits.fetch_add(1);
+          testing::DenseKV out(spec, m.tokens(), 7);
+          m.copy_to(out.view);
+          if (!testing::same_elements(out.view, kvs[p]->view.slice_tokens(0, m.tokens())))
+            bad.fetch_add(1);
+        } else if (kind < 18) {
+          store.erase(spec, prompts[p], "default", kMemoryTier);
+        } else if (kind < 19) {
+          if (store.match(spec, testing::random_tokens(kChunk, 1u << 20 | rng())).tokens())
+            bad.fetch_add(1);
+        } else {
+          store.stats();
+          (void)store.metrics_text();
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const StoreStats st = store.stats();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(hits.load(), 500);
+  EXPECT_GT(st.disk.hit_chunks, 0);
+  EXPECT_GT(st.evictions, 0);
+  EXPECT_GT(st.disk.evictions, 0);
+  EXPECT_LE(st.peak_bytes, o.capacity_bytes);
+  EXPECT_LE(st.disk.bytes_used, o.disk_capacity_bytes);
+  EXPECT_EQ(st.disk.corrupt + st.redis.corrupt, 0);
+  if (with_redis) {
+    EXPECT_GT(st.redis.hit_chunks, 0);
+    EXPECT_EQ(st.redis.errors, 0);
+  } else {
+    std::printf("redis-server not installed: ran with memory and disk only\n");
+  }
+}
+
+}  // namespace
+}  // namespace kvbridge

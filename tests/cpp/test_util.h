@@ -1,9 +1,15 @@
 // Helpers shared by the C++ tests: seeded random KV in a chosen layout.
 #pragma once
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvbridge/kvbridge.h"
@@ -36,7 +42,10 @@ struct DenseKV {
   DenseKV(const ModelSpec& spec, int64_t tokens, uint64_t seed)
       : bytes(static_cast<size_t>(spec.kv_bytes_per_token() * tokens)) {
     std::mt19937_64 rng(seed);
-    for (auto& b : bytes) b = static_cast<unsigned char>(rng() | 1);
+    for (size_t i = 0; i < bytes.size(); i += 8) {
+      const uint64_t word = rng() | 0x0101010101010101ull;  // no zero byte
+      std::memcpy(bytes.data() + i, &word, std::min<size_t>(8, bytes.size() - i));
+    }
     view = KVView::contiguous(bytes.data(), spec.dtype, Device{}, spec.num_layers, tokens,
                               spec.num_kv_heads, spec.head_dim);
   }
@@ -87,6 +96,53 @@ inline bool same_elements(const KVView& a, const KVView& b) {
           }
     }
   return true;
+}
+
+/// What the multi-process tests and their helper program (store_helper.cpp) agree on: 1 MiB
+/// chunk entries (bfloat16, 8 layers x 4 heads x 128, 64-token chunks), 4-chunk prompts whose
+/// tokens and KV bytes are functions of a seed.
+constexpr int64_t kHelperChunk = 64;
+constexpr int64_t kHelperTokens = 4 * kHelperChunk;
+inline ModelSpec helper_spec() {
+  ModelSpec s = small_spec(DType::kBFloat16, 8, 4, 128);
+  s.name = "helper-model";
+  return s;
+}
+inline std::vector<int64_t> helper_tokens(uint64_t seed) {
+  return random_tokens(kHelperTokens, seed);
+}
+
+/// A fresh directory under $TMPDIR (or /tmp), removed with everything in it on destruction.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string templ = std::string(base && *base ? base : "/tmp") + "/kvbridge-test-XXXXXX";
+    std::vector<char> buf(templ.begin(), templ.end());
+    buf.push_back('\0');
+    if (!::mkdtemp(buf.data())) std::abort();
+    path = buf.data();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+};
+
+/// Files under `dir` (recursively) whose name ends with `suffix`.
+inline std::vector<std::string> files_with_suffix(const std::string& dir, const std::string& suffix) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (auto it = std::filesystem::recursive_directory_iterator(dir, ec);
+       it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    const std::string p = it->path().string();
+    if (it->is_regular_file() && p.size() >= suffix.size() &&
+        p.compare(p.size() - suffix.size(), suffix.size(), suffix) == 0)
+      out.push_back(p);
+  }
+  return out;
 }
 
 }  // namespace kvbridge::testing

@@ -1,0 +1,137 @@
+#include "src/store/entry_codec.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "kvbridge/error.h"
+#include "src/core/xxh3.h"
+
+namespace kvbridge::detail {
+namespace {
+
+constexpr char kMagic[8] = {'K', 'V', 'B', 'E', 'N', 'T', 'R', 'Y'};
+// Largest dimension accepted when decoding: keeps every product below 2^63.
+constexpr int64_t kMaxDim = int64_t{1} << 24;
+
+void put_u32(unsigned char* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+void put_u64(unsigned char* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+uint32_t get_u32(const unsigned char* p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+uint64_t get_u64(const unsigned char* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+void put_hash(unsigned char* p, const Hash128& h) {
+  put_u64(p, h.low);
+  put_u64(p + 8, h.high);
+}
+Hash128 get_hash(const unsigned char* p) { return Hash128{get_u64(p), get_u64(p + 8)}; }
+
+bool is_hex_digit(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); }
+
+}  // namespace
+
+Fingerprint to_fingerprint(const std::string& hex) {
+  Fingerprint fp{};
+  std::memcpy(fp.data(), hex.data(), std::min(hex.size(), fp.size()));
+  return fp;
+}
+
+std::string fingerprint_string(const Fingerprint& fp) { return std::string(fp.data(), fp.size()); }
+
+void encode_entry_prefix(const EntryHeader& h, const uint32_t* tokens, unsigned char* out) {
+  std::memset(out, 0, kEntryHeaderBytes);
+  std::memcpy(out, kMagic, 8);
+  put_u32(out + 8, kEntryFormatVersion);
+  put_u32(out + 12, static_cast<uint32_t>(kEntryHeaderBytes));
+  put_u32(out + 16, static_cast<uint32_t>(h.dtype));
+  put_u32(out + 20, 0);  // flags
+  put_u64(out + 24, static_cast<uint64_t>(h.layers));
+  put_u64(out + 32, static_cast<uint64_t>(h.chunk));
+  put_u64(out + 40, static_cast<uint64_t>(h.kv_heads));
+  put_u64(out + 48, static_cast<uint64_t>(h.head_dim));
+  put_u64(out + 56, static_cast<uint64_t>(h.payload_bytes));
+  put_u64(out + 64, static_cast<uint64_t>(h.created_ms));
+  put_hash(out + 72, h.key);
+  put_hash(out + 88, h.parent);
+  put_hash(out + 104, h.salt);
+  std::memcpy(out + 120, h.fingerprint.data(), 32);
+  unsigned char* t = out + kEntryHeaderBytes;
+  for (int64_t i = 0; i < h.chunk; ++i) put_u32(t + 4 * i, tokens[i]);
+}
+
+Hash128 entry_checksum(const unsigned char* prefix, size_t prefix_bytes, const void* payload,
+                       size_t payload_bytes) {
+  Xxh3Stream s;
+  s.update(prefix, prefix_bytes);
+  s.update(payload, payload_bytes);
+  return s.digest();
+}
+
+void encode_trailer(const Hash128& checksum, unsigned char out[kEntryTrailerBytes]) {
+  put_hash(out, checksum);
+}
+
+Hash128 decode_trailer(const unsigned char in[kEntryTrailerBytes]) { return get_hash(in); }
+
+EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
+  KVB_CHECK_AS(Corrupt, total_bytes >= kEntryHeaderBytes + kEntryTrailerBytes,
+               "entry: " << total_bytes << " bytes is shorter than a header and trailer");
+  KVB_CHECK_AS(Corrupt, std::memcmp(in, kMagic, 8) == 0, "entry: bad magic");
+  const uint32_t version = get_u32(in + 8);
+  KVB_CHECK_AS(Corrupt, version == kEntryFormatVersion,
+               "entry: format version " << version << ", expected " << kEntryFormatVersion);
+  KVB_CHECK_AS(Corrupt, get_u32(in + 12) == kEntryHeaderBytes,
+               "entry: header size " << get_u32(in + 12));
+  const uint32_t dtype = get_u32(in + 16);
+  KVB_CHECK_AS(Corrupt, dtype <= static_cast<uint32_t>(DType::kFloat16),
+               "entry: unknown dtype code " << dtype);
+  KVB_CHECK_AS(Corrupt, get_u32(in + 20) == 0, "entry: unknown flags " << get_u32(in + 20));
+  for (size_t off = 152; off < kEntryHeaderBytes; ++off)
+    KVB_CHECK_AS(Corrupt, in[off] == 0, "entry: reserved header byte " << off << " is not zero");
+  EntryHeader h;
+  h.dtype = static_cast<DType>(dtype);
+  int64_t* dims[] = {&h.layers, &h.chunk, &h.kv_heads, &h.head_dim};
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t v = get_u64(in + 24 + 8 * i);
+    KVB_CHECK_AS(Corrupt, v >= 1 && v <= static_cast<uint64_t>(kMaxDim),
+                 "entry: dimension " << i << " is " << v);
+    *dims[i] = static_cast<int64_t>(v);
+  }
+  // Each factor is <= 2^24, so the product of payload elements needs a checked multiply.
+  uint64_t elements = 2 * static_cast<uint64_t>(dtype_size(h.dtype));
+  for (int64_t d : {h.layers, h.chunk, h.kv_heads, h.head_dim}) {
+    KVB_CHECK_AS(Corrupt,
+                 elements <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) /
+                                 static_cast<uint64_t>(d),
+                 "entry: payload size overflows");
+    elements *= static_cast<uint64_t>(d);
+  }
+  const uint64_t payload = get_u64(in + 56);
+  KVB_CHECK_AS(Corrupt, payload == elements,
+               "entry: payload size " << payload << " does not match its geometry (" << elements
+                                      << ")");
+  h.payload_bytes = static_cast<int64_t>(payload);
+  const uint64_t expect_total =
+      kEntryHeaderBytes + 4 * static_cast<uint64_t>(h.chunk) + payload + kEntryTrailerBytes;
+  KVB_CHECK_AS(Corrupt, expect_total == total_bytes,
+               "entry: " << total_bytes << " bytes, its header describes " << expect_total);
+  h.created_ms = static_cast<int64_t>(get_u64(in + 64));
+  h.key = get_hash(in + 72);
+  h.parent = get_hash(in + 88);
+  h.salt = get_hash(in + 104);
+  std::memcpy(h.fingerprint.data(), in + 120, 32);
+  for (char c : h.fingerprint) KVB_CHECK_AS(Corrupt, is_hex_digit(c), "entry: bad fingerprint");
+  return h;
+}
+
+}  // namespace kvbridge::detail

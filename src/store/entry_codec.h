@@ -1,0 +1,60 @@
+// The packed form of one chunk entry, shared by the disk tier (one file per entry) and the Redis
+// tier (one value per entry). docs/storage.md is the byte-level specification:
+//
+//   header   160 bytes (magic, version, geometry, created time, key, parent, salt, fingerprint)
+//   tokens   4 * chunk bytes, u32 little-endian
+//   payload  the chunk's KV, [layers, 2, chunk, kv_heads, head_dim] dense, little-endian
+//   trailer  16 bytes: XXH3-128 of everything before it (low64, high64, little-endian)
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "kvbridge/dtype.h"
+#include "kvbridge/prefix_hash.h"
+
+namespace kvbridge::detail {
+
+constexpr size_t kEntryHeaderBytes = 160;
+constexpr size_t kEntryTrailerBytes = 16;
+constexpr uint32_t kEntryFormatVersion = 1;
+
+using Fingerprint = std::array<char, 32>;  // ModelSpec::fingerprint() digits, no terminator
+
+Fingerprint to_fingerprint(const std::string& hex);
+std::string fingerprint_string(const Fingerprint& fp);
+
+/// What an entry's header records.
+struct EntryHeader {
+  DType dtype = DType::kFloat32;
+  int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
+  int64_t payload_bytes = 0;  // layers * 2 * chunk * kv_heads * head_dim * dtype size
+  int64_t created_ms = 0;
+  Hash128 key, parent, salt;
+  Fingerprint fingerprint{};
+};
+
+/// Bytes of header + tokens (the part before the payload).
+inline size_t entry_prefix_bytes(int64_t chunk) {
+  return kEntryHeaderBytes + 4 * static_cast<size_t>(chunk);
+}
+/// Bytes of the whole packed entry.
+inline size_t entry_encoded_bytes(int64_t chunk, int64_t payload_bytes) {
+  return entry_prefix_bytes(chunk) + static_cast<size_t>(payload_bytes) + kEntryTrailerBytes;
+}
+
+/// Writes the header and the token ids (entry_prefix_bytes(h.chunk) bytes) to `out`.
+void encode_entry_prefix(const EntryHeader& h, const uint32_t* tokens, unsigned char* out);
+/// XXH3-128 over prefix (header + tokens) then payload.
+Hash128 entry_checksum(const unsigned char* prefix, size_t prefix_bytes, const void* payload,
+                       size_t payload_bytes);
+void encode_trailer(const Hash128& checksum, unsigned char out[kEntryTrailerBytes]);
+Hash128 decode_trailer(const unsigned char in[kEntryTrailerBytes]);
+
+/// Parses the 160 header bytes and checks that they are self-consistent and describe an entry
+/// of exactly `total_bytes` (the file or value size). Throws Corrupt saying what is wrong.
+EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes);
+
+}  // namespace kvbridge::detail

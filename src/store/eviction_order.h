@@ -1,0 +1,89 @@
+// The order in which a tier drops entries, for each EvictionPolicy. Not thread-safe: the owner
+// guards it with the same lock as its index.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <set>
+#include <tuple>
+
+#include "kvbridge/kv_store.h"
+
+namespace kvbridge::detail {
+
+struct HashOf {
+  size_t operator()(const Hash128& h) const noexcept { return static_cast<size_t>(h.low ^ h.high); }
+};
+
+class EvictionOrder {
+ public:
+  // LRU keeps a list (front: most recent) so a use is one splice. LFU and TTL keep an ordered
+  // set of (uses or creation time, insertion sequence, key): coldest first.
+  using Rank = std::tuple<int64_t, uint64_t, uint64_t, uint64_t>;  // (primary, seq, low, high)
+  struct Handle {
+    std::list<Hash128>::iterator pos;
+    std::set<Rank>::iterator rank;
+    int64_t uses = 0;
+  };
+
+  explicit EvictionOrder(EvictionPolicy policy) : policy_(policy) {}
+
+  EvictionPolicy policy() const noexcept { return policy_; }
+
+  Handle insert(const Hash128& key, int64_t created_ms) {
+    Handle h;
+    h.uses = 1;
+    if (policy_ == EvictionPolicy::kLRU) {
+      lru_.push_front(key);
+      h.pos = lru_.begin();
+    } else {
+      const int64_t primary = policy_ == EvictionPolicy::kLFU ? h.uses : created_ms;
+      h.rank = ranks_.emplace(primary, ++seq_, key.low, key.high).first;
+    }
+    return h;
+  }
+
+  void touch(Handle& h, const Hash128& key) {
+    ++h.uses;
+    if (policy_ == EvictionPolicy::kLRU) {
+      lru_.splice(lru_.begin(), lru_, h.pos);
+    } else if (policy_ == EvictionPolicy::kLFU) {
+      ranks_.erase(h.rank);
+      h.rank = ranks_.emplace(h.uses, ++seq_, key.low, key.high).first;
+    }  // TTL: a use does not move an entry's expiry
+  }
+
+  void erase(const Handle& h) {
+    if (policy_ == EvictionPolicy::kLRU) {
+      lru_.erase(h.pos);
+    } else {
+      ranks_.erase(h.rank);
+    }
+  }
+
+  void clear() {
+    lru_.clear();
+    ranks_.clear();
+  }
+
+  /// Calls f(key) for entries coldest first until f returns true; returns whether it did.
+  template <class F>
+  bool find_coldest(F&& f) const {
+    if (policy_ == EvictionPolicy::kLRU) {
+      for (auto it = lru_.rbegin(); it != lru_.rend(); ++it)
+        if (f(*it)) return true;
+    } else {
+      for (const Rank& r : ranks_)
+        if (f(Hash128{std::get<2>(r), std::get<3>(r)})) return true;
+    }
+    return false;
+  }
+
+ private:
+  EvictionPolicy policy_;
+  std::list<Hash128> lru_;
+  std::set<Rank> ranks_;
+  uint64_t seq_ = 0;
+};
+
+}  // namespace kvbridge::detail

@@ -1,0 +1,90 @@
+// The Redis tier, through hiredis: one packed entry (entry_codec.h) per key
+//   <prefix>:v1:<namespace, percent-encoded>:<fingerprint>:<chunk key hex>
+// plus the shared Bloom filter <prefix>:v1:filter (docs/storage.md). A pool of blocking
+// connections with connect and command timeouts; after a failure the tier is marked down and
+// every operation is an instant, counted miss until a retry (exponential backoff) reconnects.
+// A background thread refreshes the local filter copy and rebuilds the shared filter when it
+// is missing. Thread-safe; no method throws.
+#pragma once
+
+#include <array>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "src/store/tier.h"
+
+namespace kvbridge::detail {
+
+/// Counters of the remote side (RemoteStats without the filter state).
+struct RemoteCounters {
+  std::atomic<int64_t> round_trips{0}, skipped{0}, reconnects{0}, filter_negatives{0},
+      filter_passes{0}, filter_false_positives{0}, filter_refreshes{0}, filter_rebuilds{0};
+  std::atomic<int64_t> latency_ns_sum{0};
+  std::array<std::atomic<int64_t>, RemoteStats::kLatencyBuckets> latency_buckets{};
+  void record_latency(int64_t ns);
+  void fill(RemoteStats* s) const;
+};
+
+/// Verifies a fetched value against the lookup and copies its payload (want.payload_bytes) to
+/// `payload`; on kHit sets *created_ms. Counts misses, corrupt and expired values in `counters`;
+/// *drop says the value should be deleted from the server (corrupt or expired).
+LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntry& want,
+                      char* payload, int64_t* created_ms, TierCounters* counters, bool* drop);
+
+class RedisTier {
+ public:
+  /// Throws InvalidArgument for a malformed URL. Never connects in the constructor's thread for
+  /// longer than redis_connect_timeout_ms; an unreachable server leaves the tier marked down.
+  RedisTier(const StoreOptions& options, TierCounters* counters, RemoteCounters* remote);
+  ~RedisTier();
+  RedisTier(const RedisTier&) = delete;
+  RedisTier& operator=(const RedisTier&) = delete;
+
+  std::string key_for(std::string_view ns, const Fingerprint& fp, const Hash128& key) const;
+
+  /// False only when the filter is active and says the key is surely absent.
+  bool may_contain(const Hash128& key) const;
+
+  /// Sees one present value of a fetch where hiredis parsed it (`data` is valid only during
+  /// the call, and the value is never copied into a reply object): index into the keys, bytes.
+  /// Must not throw (it runs inside hiredis's parser; an exception is swallowed, the value then
+  /// counts as absent).
+  using ValueConsumer = std::function<void(size_t index, const unsigned char* data, size_t size)>;
+  /// GETs `keys` in one MGET, handing each present value to `consume`. False (counted) when the
+  /// tier is down or the command failed; then every key counts as a miss.
+  bool fetch(const std::vector<std::string>& keys, const ValueConsumer& consume);
+
+  struct Write {
+    std::string key;
+    Hash128 hash;  // the chunk key, for the filter
+    const unsigned char* prefix;
+    size_t prefix_bytes;
+    const void* payload;
+    size_t payload_bytes;
+    Hash128 checksum;
+  };
+  /// SETs every value (with PX ttl_ms when > 0) and their filter bits in one pipeline. Returns
+  /// false (counted) when any command failed.
+  bool store(const std::vector<Write>& writes, int64_t ttl_ms);
+
+  /// DELs keys (one round trip); false when it failed.
+  bool remove(const std::vector<std::string>& keys);
+  /// Deletes every key under the prefix (entries of every tenant and model, and the filter).
+  int64_t clear();
+  /// Deletes every key of the fingerprint under the prefix (SCAN + UNLINK); returns how many.
+  int64_t invalidate(const Fingerprint& fp, bool* complete);
+
+  /// Whether a usable filter copy is in use.
+  bool filter_active() const;
+  /// Refreshes the filter copy now (the background thread does it every refresh interval).
+  void refresh_filter_now();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvbridge::detail
