@@ -142,17 +142,35 @@ class LinearAdapter {
 
 /// Accumulates paired samples and solves the ridge regressions.
 ///
-/// Memory: with F = 2 * source.num_layers * source.num_kv_heads * source.head_dim features and
-/// O = target.num_kv_heads * target.head_dim outputs per map, the accumulators hold
-/// 2 * (F^2 + 2 * target.num_layers * F * O) float64 values (train and held-out parts), whatever
-/// the number of samples. kExplicit lists bound F by the union of the listed layers instead.
-/// Time: add() is O(tokens * F * (F + 2 * target.num_layers * O)); fit() does one F_S x F_S
-/// eigendecomposition per target layer and candidate layer set S (F_S = 2 * |S| * source width),
-/// so "auto" costs about target.num_layers * source.num_layers * max_source_layers of them.
+/// Shapes: Ls, Lt = source / target num_layers; Fl = 2 * source.num_kv_heads * source.head_dim
+/// features per source layer (its keys and values); O = target.num_kv_heads * target.head_dim
+/// outputs per map (one K map and one V map per target layer); C_j = the candidate source layers
+/// of target layer j (all Ls for kAuto and kAll, the list for kExplicit).
+///
+/// Memory: the float64 accumulators (train and held-out parts) hold, whatever the number of
+/// samples, 16 * (U * Fl + B * Fl^2 + sum_j (|C_j| * Fl * 2 * O + 2 * O + 2)) bytes, U the number
+/// of distinct candidate layers and B the number of layer pairs that share some C_j (U(U+1)/2 when
+/// every C_j holds all layers). add() also takes 8 * tokens * (U * Fl + 2 * Lt * O) bytes of
+/// temporaries per call.
+///
+/// Two passes: when kAuto's all-layer accumulators exceed options.max_memory_bytes, the fitter
+/// first runs a probe pass (passes() == 2, pass() == 0) that fits every source layer alone to
+/// every target map's outputs projected on r = min(O, 32) seeded random directions, which takes
+/// 16 * Ls * (Fl + Fl^2 + Fl * 2 * Lt * r) bytes. next_pass() ranks the source layers per target
+/// layer by that held-out fit and keeps, round-robin by rank, as many candidates per target layer
+/// as max_memory_bytes allows (at most max_source_layers); the samples are then added again (the
+/// same ones: the held-out split restarts and repeats) and fit() selects among the candidates.
+/// For two 32-layer models with 8 KV heads of dim 128 (Fl = 2048, O = 1024): one-pass
+/// accumulators would take about 100 GiB; the probe takes 4 GiB, and every candidate costs about
+/// 64 MiB for its K/V cross products plus 64 MiB per new layer pair, so the default 8 GiB keeps
+/// about two candidates per target layer.
+/// Time: add() is O(tokens * (U * Fl + B * Fl^2 / U + sum_j |C_j| * Fl * 2 * O)); fit() does one
+/// eigendecomposition of size |S| * Fl per target layer and candidate set S, so kAuto costs about
+/// Lt * |C_j| * max_source_layers of them, and next_pass() Ls of size Fl.
 class AdapterFitter {
  public:
   /// Throws InvalidArgument for bad specs or options, including accumulators over
-  /// options.max_memory_bytes.
+  /// options.max_memory_bytes (for kAuto: when neither one pass nor the probe pass fits).
   AdapterFitter(const ModelSpec& source, const ModelSpec& target, const FitOptions& options = {});
   ~AdapterFitter();
   AdapterFitter(const AdapterFitter&) = delete;
@@ -163,13 +181,26 @@ class AdapterFitter {
   /// Throws InvalidArgument on mismatch or on non-finite values (nothing is accumulated then).
   void add(const KVView& src, const KVView& tgt, int64_t start_pos = 0);
 
+  /// 1, or 2 when a probe pass runs first (see above).
+  int passes() const noexcept;
+  /// The pass being accumulated, from 0.
+  int pass() const noexcept;
+  /// Ends the probe pass: picks each target layer's candidate source layers, frees the probe's
+  /// accumulators and starts the final pass with no samples. Throws InvalidArgument if the fitter
+  /// is not in a probe pass or the probe holds fewer than 2 training and 2 held-out tokens.
+  void next_pass();
+  /// [target layer] -> ascending source layers fit() chooses from. Throws InvalidArgument during
+  /// a probe pass.
+  std::vector<std::vector<int64_t>> candidate_layers() const;
+
+  /// Tokens of the current pass.
   int64_t train_tokens() const noexcept;
   int64_t holdout_tokens() const noexcept;
   /// Bytes held by the accumulators.
   int64_t memory_bytes() const noexcept;
 
-  /// Solves the regressions. Throws InvalidArgument if too few tokens were added (fewer than
-  /// 2 held-out tokens, or no training tokens).
+  /// Solves the regressions. Throws InvalidArgument during a probe pass or if too few tokens
+  /// were added (fewer than 2 training or 2 held-out tokens).
   LinearAdapter fit() const;
 
  private:

@@ -86,6 +86,11 @@ class AdapterFitter:
     rope_aware: map keys in position-free space (un-rotate source, rotate with the target RoPE).
     ridge: "auto" (chosen per map on held-out tokens from a grid) or a fixed relative strength.
     holdout: share of tokens held out for choosing layers and ridge and for the report.
+    max_memory_bytes: bound on the float64 accumulators (default 8 GiB). When "auto" over all
+        source layers would exceed it, the fitter takes two passes over the samples: a probe pass
+        that ranks source layers per target layer, then `next_pass()` and the same samples again
+        (`passes`, `pass_index`; `fit_adapter` does this itself). See AdapterFitter in
+        include/kvbridge/adapter.h for the memory formulas.
     """
 
     def __init__(self, source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
@@ -126,6 +131,24 @@ class AdapterFitter:
     def memory_bytes(self) -> int:
         return self._native.memory_bytes
 
+    @property
+    def passes(self) -> int:
+        """1, or 2 when a probe pass selects candidate source layers first."""
+        return self._native.passes
+
+    @property
+    def pass_index(self) -> int:
+        """The pass being accumulated, from 0."""
+        return self._native.pass_index
+
+    def next_pass(self) -> None:
+        """Ends the probe pass; add the same samples again afterwards."""
+        self._native.next_pass()
+
+    def candidate_layers(self) -> List[List[int]]:
+        """Per target layer, the source layers fit() chooses from (after the probe pass)."""
+        return self._native.candidate_layers()
+
     def add(self, source_kv: KVCache, target_kv: KVCache, start_pos: int = 0) -> None:
         """Adds both models' KV for the same tokens (legacy tuples, any device and strides)."""
         src, tgt = host_kv(source_kv), host_kv(target_kv)
@@ -142,20 +165,31 @@ def fit_adapter(source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
                 batches: Iterable[Any], progress: bool = True, **fitter_options) -> LinearAdapter:
     """Fits an adapter from two callables that return each model's KV for a token batch.
 
-    batches: token batches (whatever the callables take), e.g. lists of token ids.
+    batches: token batches (whatever the callables take), e.g. lists of token ids. When the
+        fitter needs two passes (see AdapterFitter), they are iterated twice, so they must be a
+        re-iterable collection (a list, say), not a one-shot iterator or generator.
     progress: show a tqdm progress bar (if tqdm is installed).
     """
     fitter = AdapterFitter(source_spec, target_spec, **fitter_options)
-    items: Iterable[Any] = batches
-    if progress:
-        try:
-            from tqdm import tqdm
-            items = tqdm(batches, desc="fitting adapter", unit="batch")
-        except ImportError:
-            pass
+    if fitter.passes > 1 and iter(batches) is batches:
+        raise ValueError("fit_adapter: this fitter takes two passes over the batches (a probe pass "
+                         "first, see AdapterFitter.passes), so batches must be re-iterable, "
+                         "e.g. a list, not an iterator or generator")
     with torch.no_grad():
-        for batch in items:
-            fitter.add(source_kv_fn(batch), target_kv_fn(batch))
+        for p in range(fitter.passes):
+            if p > 0:
+                fitter.next_pass()
+            items: Iterable[Any] = batches
+            if progress:
+                try:
+                    from tqdm import tqdm
+                    desc = ("fitting adapter" if fitter.passes == 1
+                            else f"fitting adapter, pass {p + 1}/{fitter.passes}")
+                    items = tqdm(batches, desc=desc, unit="batch")
+                except ImportError:
+                    pass
+            for batch in items:
+                fitter.add(source_kv_fn(batch), target_kv_fn(batch))
     return fitter.fit()
 
 

@@ -430,6 +430,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("train_tokens", &AdapterFitter::train_tokens)
       .def_property_readonly("holdout_tokens", &AdapterFitter::holdout_tokens)
       .def_property_readonly("memory_bytes", &AdapterFitter::memory_bytes)
+      .def_property_readonly("passes", &AdapterFitter::passes)
+      .def_property_readonly("pass_index", &AdapterFitter::pass)
+      .def("next_pass", &AdapterFitter::next_pass, py::call_guard<py::gil_scoped_release>())
+      .def("candidate_layers", &AdapterFitter::candidate_layers)
       .def("fit", &AdapterFitter::fit, py::call_guard<py::gil_scoped_release>());
 
   m.def(

@@ -15,30 +15,16 @@ using VecD = Eigen::VectorXd;
 
 namespace {
 
+// Target outputs are projected on this many seeded Gaussian directions in the probe pass: enough
+// to rank source layers, and it keeps the probe's cross products small.
+constexpr int64_t kProbeSketchWidth = 32;
+
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
-
-// Sufficient statistics of one token split (train or held-out).
-struct Moments {
-  int64_t n = 0;
-  VecD sx;                                // [F]
-  MatD xx;                                // [F, F], upper triangle accumulated
-  std::vector<std::array<VecD, 2>> sy;    // [target layer][K/V] -> [O]
-  std::vector<std::array<MatD, 2>> xy;    // -> [F, O]
-  std::vector<std::array<double, 2>> yy;  // sum of squares
-
-  void init(int64_t features, int64_t layers, int64_t outputs) {
-    sx = VecD::Zero(features);
-    xx = MatD::Zero(features, features);
-    sy.assign(static_cast<size_t>(layers), {VecD::Zero(outputs), VecD::Zero(outputs)});
-    xy.assign(static_cast<size_t>(layers), {MatD::Zero(features, outputs), MatD::Zero(features, outputs)});
-    yy.assign(static_cast<size_t>(layers), {0.0, 0.0});
-  }
-};
 
 // Un-rotated (if asked) K then V of one layer, as float64 rows [tokens, 2 * heads * dim].
 MatD unrotated_rows(const ModelSpec& spec, const std::vector<double>& inv_freq, bool rope_aware,
@@ -61,9 +47,182 @@ MatD unrotated_rows(const ModelSpec& spec, const std::vector<double>& inv_freq, 
 struct MapFit {
   double r2 = -std::numeric_limits<double>::infinity();
   double ridge = 0;
-  MatD weights;  // [F_S, O]
+  MatD weights;  // [F, O]
   VecD bias;     // [O]
 };
+
+// What ridge fits of any output need from one feature set: the eigenbasis of the training
+// covariance and the held-out covariance in that basis. One eigendecomposition serves every
+// ridge strength and every output: W(r) = Q diag(1 / (lambda + r)) Q^T G.
+struct RidgeBasis {
+  double n = 0, nh = 0;  // training / held-out token counts
+  VecD mu, sxh;          // training mean, held-out sum [F]
+  MatD Q;                // eigenvectors [F, F]
+  VecD lambda;           // eigenvalues, clamped at 0
+  double scale = 1;      // mean feature variance: ridge strengths are relative to it
+  MatD M;                // Q^T covh Q, covh the held-out scatter about the training mean
+};
+
+// xx and xxh are raw sums over tokens of x x^T (full symmetric), sx and sxh of x.
+RidgeBasis make_basis(double n, const VecD& sx, const MatD& xx, double nh, const VecD& sxh,
+                      const MatD& xxh) {
+  RidgeBasis b;
+  b.n = n;
+  b.nh = nh;
+  b.mu = sx / n;
+  b.sxh = sxh;
+  const MatD cov = xx / n - b.mu * b.mu.transpose();
+  const MatD covh =
+      xxh - b.mu * sxh.transpose() - sxh * b.mu.transpose() + nh * b.mu * b.mu.transpose();
+  Eigen::SelfAdjointEigenSolver<MatD> eig(cov);
+  b.Q = eig.eigenvectors();
+  b.lambda = eig.eigenvalues().cwiseMax(0.0);
+  b.scale = std::max(cov.trace() / static_cast<double>(sx.size()), 1e-300);
+  b.M = b.Q.transpose() * covh * b.Q;
+  return b;
+}
+
+// The ridge map of one output block: sy [O] and xy [F, O] are raw training sums, syh, xyh and
+// yyh (sum of squares) held-out ones. Scores every ridge in `grid` by held-out R² in closed form;
+// solves for the weights of the best one only if `keep`.
+MapFit fit_map(const RidgeBasis& b, const VecD& sy, const MatD& xy, const VecD& syh,
+               const MatD& xyh, double yyh, const std::vector<double>& grid, bool keep) {
+  const VecD mu_y = sy / b.n;
+  const MatD G = xy / b.n - b.mu * mu_y.transpose();
+  const MatD Dh = xyh - b.mu * syh.transpose() - b.sxh * mu_y.transpose() +
+                  b.nh * b.mu * mu_y.transpose();
+  const MatD P = b.Q.transpose() * G;
+  const VecD u = (P.cwiseProduct(b.Q.transpose() * Dh)).rowwise().sum();
+  const MatD H = b.M.cwiseProduct(P * P.transpose());
+  const double e = yyh - 2 * mu_y.dot(syh) + b.nh * mu_y.squaredNorm();
+  const double sst = std::max(yyh - syh.squaredNorm() / b.nh, 1e-300);
+  MapFit best;
+  for (double alpha : grid) {
+    const VecD d = (b.lambda.array() + alpha * b.scale).inverse();
+    const double sse = e - 2 * d.dot(u) + d.dot(H * d);
+    const double r2 = 1 - sse / sst;
+    if (r2 > best.r2) {
+      best.r2 = r2;
+      best.ridge = alpha;
+    }
+  }
+  if (keep) {
+    const VecD d = (b.lambda.array() + best.ridge * b.scale).inverse();
+    best.weights = b.Q * d.asDiagonal() * P;
+    best.bias = mu_y - best.weights.transpose() * b.mu;
+  }
+  return best;
+}
+
+MatD symmetric_from_upper(const MatD& upper) { return upper.selfadjointView<Eigen::Upper>(); }
+
+// Which source layers feed which target layer, and the float64 blocks that takes: per source
+// layer ("slot") its feature sums, per pair of slots that share a target layer their cross
+// products, per (target layer, candidate) the features against that layer's outputs.
+struct Plan {
+  std::vector<std::vector<int64_t>> candidates;  // [target layer] -> source layers
+  std::vector<int64_t> slots;                    // union of the candidates, ascending
+  std::vector<int64_t> block_of;                 // [a * slots + b], a <= b -> block or -1
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+
+  int64_t slot(int64_t layer) const {
+    return std::lower_bound(slots.begin(), slots.end(), layer) - slots.begin();
+  }
+  int64_t block(int64_t a, int64_t b) const {
+    return block_of[static_cast<size_t>(std::min(a, b) * static_cast<int64_t>(slots.size()) +
+                                        std::max(a, b))];
+  }
+};
+
+Plan make_plan(std::vector<std::vector<int64_t>> candidates) {
+  Plan p;
+  for (const auto& c : candidates) p.slots.insert(p.slots.end(), c.begin(), c.end());
+  std::sort(p.slots.begin(), p.slots.end());
+  p.slots.erase(std::unique(p.slots.begin(), p.slots.end()), p.slots.end());
+  const int64_t S = static_cast<int64_t>(p.slots.size());
+  p.block_of.assign(static_cast<size_t>(S * S), -1);
+  for (const auto& c : candidates)
+    for (int64_t l : c)
+      for (int64_t m : c) {
+        const int64_t a = p.slot(l), b = p.slot(m);
+        if (a > b) continue;
+        int64_t& k = p.block_of[static_cast<size_t>(a * S + b)];
+        if (k < 0) {
+          k = static_cast<int64_t>(p.blocks.size());
+          p.blocks.emplace_back(a, b);
+        }
+      }
+  p.candidates = std::move(candidates);
+  return p;
+}
+
+// Bytes of the train and held-out accumulators a plan takes: layer_features Fl, 2 * outputs
+// per target layer (keys and values).
+double plan_bytes(const Plan& p, int64_t Fl, int64_t outputs) {
+  double values = static_cast<double>(p.slots.size()) * Fl +
+                  static_cast<double>(p.blocks.size()) * Fl * Fl;
+  for (const auto& c : p.candidates)
+    values += static_cast<double>(c.size()) * Fl * 2 * outputs + 2.0 * outputs + 2;
+  return 2 * 8 * values;
+}
+
+// Raw sums over one token split for a plan (see Plan).
+struct BlockMoments {
+  int64_t n = 0;
+  std::vector<VecD> sx;                  // [slot] -> [Fl]
+  std::vector<MatD> xx;                  // [block] -> [Fl, Fl]; diagonal blocks upper only
+  std::vector<VecD> sy;                  // [target layer] -> [2 * O], keys then values
+  std::vector<std::array<double, 2>> yy;  // [target layer] -> sums of squares
+  std::vector<std::vector<MatD>> xy;     // [target layer][candidate] -> [Fl, 2 * O]
+
+  void init(const Plan& p, int64_t Fl, int64_t outputs) {
+    sx.assign(p.slots.size(), VecD::Zero(Fl));
+    xx.assign(p.blocks.size(), MatD::Zero(Fl, Fl));
+    sy.assign(p.candidates.size(), VecD::Zero(2 * outputs));
+    yy.assign(p.candidates.size(), {0.0, 0.0});
+    xy.clear();
+    for (const auto& c : p.candidates) xy.emplace_back(c.size(), MatD::Zero(Fl, 2 * outputs));
+  }
+};
+
+// Raw sums over one token split for the probe pass: each source layer alone, against every
+// target map's outputs projected on `sketch_width` seeded Gaussian directions.
+struct ProbeMoments {
+  int64_t n = 0;
+  std::vector<VecD> sx;  // [source layer] -> [Fl]
+  std::vector<MatD> xx;  // [source layer] -> [Fl, Fl], upper triangle
+  std::vector<MatD> xz;  // [source layer] -> [Fl, 2 * target layers * width], map (j, kind) at
+                         // columns (2 j + kind) * width
+  VecD sz;               // [2 * target layers * width]
+  VecD zz;               // [2 * target layers]: sums of squares per map
+
+  void init(int64_t source_layers, int64_t Fl, int64_t maps, int64_t width) {
+    sx.assign(static_cast<size_t>(source_layers), VecD::Zero(Fl));
+    xx.assign(static_cast<size_t>(source_layers), MatD::Zero(Fl, Fl));
+    xz.assign(static_cast<size_t>(source_layers), MatD::Zero(Fl, maps * width));
+    sz = VecD::Zero(maps * width);
+    zz = VecD::Zero(maps);
+  }
+  static double bytes(int64_t source_layers, int64_t Fl, int64_t maps, int64_t width) {
+    const double L = static_cast<double>(source_layers);
+    return 2 * 8 * (L * Fl + L * Fl * Fl + L * Fl * maps * width + maps * width + maps);
+  }
+};
+
+// Seeded Gaussian sketch [outputs, width] / sqrt(width), the same on every platform.
+MatD gaussian_sketch(int64_t outputs, int64_t width, uint64_t seed) {
+  MatD r(outputs, width);
+  uint64_t state = splitmix64(seed ^ 0x6b76627269646765ull);
+  const double two_pi = 6.28318530717958647692;
+  for (int64_t i = 0; i < r.size(); ++i) {
+    state = splitmix64(state);
+    const double u1 = (static_cast<double>(state >> 11) + 0.5) * 0x1.0p-53;
+    state = splitmix64(state);
+    const double u2 = static_cast<double>(state >> 11) * 0x1.0p-53;
+    r.data()[i] = std::sqrt(-2 * std::log(u1)) * std::cos(two_pi * u2);
+  }
+  return r / std::sqrt(static_cast<double>(width));
+}
 
 }  // namespace
 
@@ -77,101 +236,90 @@ void check_pair(const ModelSpec& source, const ModelSpec& target, const KVView& 
             src_name << " and " << dst_name << " must be CPU views here");
 }
 
+
 struct AdapterFitter::Impl {
   ModelSpec source, target;
   FitOptions options;
   std::vector<double> source_inv_freq, target_inv_freq;
-  std::vector<int64_t> used_layers;  // source layers that feed anything, ascending
-  int64_t layer_features = 0;        // 2 * source kv_heads * head_dim
-  int64_t outputs = 0;               // target kv_heads * head_dim
-  Moments train, held;
-  uint64_t tokens_seen = 0;
+  int64_t layer_features = 0;  // Fl = 2 * source kv_heads * head_dim
+  int64_t outputs = 0;         // O = target kv_heads * head_dim
+  int passes = 1, pass = 0;
+  uint64_t tokens_seen = 0;    // restarts each pass, so passes over the same data split alike
+  // Probe pass (pass 0 of 2): every source layer alone against sketched target outputs.
+  int64_t sketch_width = 0;
+  MatD sketch;  // [O, sketch_width]
+  ProbeMoments probe_train, probe_held;
+  // Final pass: the plan's blocks.
+  Plan plan;
+  BlockMoments train, held;
 
-  int64_t features() const { return static_cast<int64_t>(used_layers.size()) * layer_features; }
+  bool probing() const { return passes == 2 && pass == 0; }
+  int64_t maps() const { return 2 * target.num_layers; }
 
-  // Feature indices of a set of source layers, in ascending layer order.
-  std::vector<int64_t> feature_index(const std::vector<int64_t>& layers) const {
-    std::vector<int64_t> idx;
-    for (int64_t l : layers) {
-      const int64_t slot = std::lower_bound(used_layers.begin(), used_layers.end(), l) -
-                           used_layers.begin();
-      for (int64_t f = 0; f < layer_features; ++f) idx.push_back(slot * layer_features + f);
-    }
-    return idx;
+  double probe_bytes() const {
+    return ProbeMoments::bytes(source.num_layers, layer_features, maps(), sketch_width);
   }
 
-  // Ridge fits of target layer j's K and V maps from source layers S; weights only if asked.
-  std::array<MapFit, 2> evaluate(int64_t j, const std::vector<int64_t>& S, bool keep) const {
-    const std::vector<int64_t> idx = feature_index(S);
-    const int64_t F = static_cast<int64_t>(idx.size());
-    const double n = static_cast<double>(train.n), nh = static_cast<double>(held.n);
-    VecD mu(F), sxh(F);
-    MatD cov(F, F), covh(F, F);
-    for (int64_t a = 0; a < F; ++a) {
-      mu[a] = train.sx[idx[a]] / n;
-      sxh[a] = held.sx[idx[a]];
-    }
-    for (int64_t a = 0; a < F; ++a)
-      for (int64_t b = a; b < F; ++b) {
-        const int64_t r = std::min(idx[a], idx[b]), c = std::max(idx[a], idx[b]);
-        cov(a, b) = cov(b, a) = train.xx(r, c) / n - mu[a] * mu[b];
-        covh(a, b) = covh(b, a) =
-            held.xx(r, c) - mu[a] * sxh[b] - sxh[a] * mu[b] + nh * mu[a] * mu[b];
-      }
-    Eigen::SelfAdjointEigenSolver<MatD> eig(cov);
-    const MatD& Q = eig.eigenvectors();
-    const VecD lam = eig.eigenvalues().cwiseMax(0.0);
-    const double scale = std::max(cov.trace() / static_cast<double>(F), 1e-300);
-    const MatD M = Q.transpose() * covh * Q;
+  void start_final_pass(Plan p) {
+    plan = std::move(p);
+    train.init(plan, layer_features, outputs);
+    held.init(plan, layer_features, outputs);
+    probe_train = ProbeMoments();
+    probe_held = ProbeMoments();
+    sketch = MatD();
+    tokens_seen = 0;
+  }
 
-    std::array<MapFit, 2> fits;
-    for (int kind = 0; kind < 2; ++kind) {
-      const MatD& xy = train.xy[static_cast<size_t>(j)][static_cast<size_t>(kind)];
-      const MatD& xyh = held.xy[static_cast<size_t>(j)][static_cast<size_t>(kind)];
-      const VecD mu_y = train.sy[static_cast<size_t>(j)][static_cast<size_t>(kind)] / n;
-      const VecD& syh = held.sy[static_cast<size_t>(j)][static_cast<size_t>(kind)];
-      const double yyh = held.yy[static_cast<size_t>(j)][static_cast<size_t>(kind)];
-      MatD G(F, outputs), Dh(F, outputs);
-      for (int64_t a = 0; a < F; ++a) {
-        G.row(a) = xy.row(idx[a]) / n - mu[a] * mu_y.transpose();
-        Dh.row(a) = xyh.row(idx[a]) - mu[a] * syh.transpose() - sxh[a] * mu_y.transpose() +
-                    nh * mu[a] * mu_y.transpose();
-      }
-      const MatD P = Q.transpose() * G;            // W(λ) = Q diag(1/(λ_i + λ)) P
-      const VecD u = (P.cwiseProduct(Q.transpose() * Dh)).rowwise().sum();
-      const MatD H = M.cwiseProduct(P * P.transpose());
-      const double e = yyh - 2 * mu_y.dot(syh) + nh * mu_y.squaredNorm();
-      const double sst = std::max(yyh - syh.squaredNorm() / nh, 1e-300);
-      MapFit& best = fits[static_cast<size_t>(kind)];
-      for (double alpha : options.ridge_grid) {
-        const VecD d = (lam.array() + alpha * scale).inverse();
-        const double sse = e - 2 * d.dot(u) + d.dot(H * d);
-        const double r2 = 1 - sse / sst;
-        if (r2 > best.r2) {
-          best.r2 = r2;
-          best.ridge = alpha;
+  // Ridge fits of target layer j's K and V maps from source layers S (ascending, a subset of the
+  // plan's candidates for j); weights only if asked.
+  std::array<MapFit, 2> evaluate(int64_t j, const std::vector<int64_t>& S, bool keep) const {
+    const int64_t Fl = layer_features, O = outputs, F = static_cast<int64_t>(S.size()) * Fl;
+    const auto& C = plan.candidates[static_cast<size_t>(j)];
+    const size_t jj = static_cast<size_t>(j);
+    VecD sx(F), sxh(F);
+    MatD xx(F, F), xxh(F, F), xy(F, 2 * O), xyh(F, 2 * O);
+    for (size_t a = 0; a < S.size(); ++a) {
+      const int64_t sa = plan.slot(S[a]), ra = static_cast<int64_t>(a) * Fl;
+      const size_t ca = static_cast<size_t>(std::find(C.begin(), C.end(), S[a]) - C.begin());
+      sx.segment(ra, Fl) = train.sx[static_cast<size_t>(sa)];
+      sxh.segment(ra, Fl) = held.sx[static_cast<size_t>(sa)];
+      xy.middleRows(ra, Fl) = train.xy[jj][ca];
+      xyh.middleRows(ra, Fl) = held.xy[jj][ca];
+      for (size_t b = a; b < S.size(); ++b) {
+        const int64_t rb = static_cast<int64_t>(b) * Fl;
+        const size_t k = static_cast<size_t>(plan.block(sa, plan.slot(S[b])));
+        if (a == b) {
+          xx.block(ra, ra, Fl, Fl) = symmetric_from_upper(train.xx[k]);
+          xxh.block(ra, ra, Fl, Fl) = symmetric_from_upper(held.xx[k]);
+        } else {  // S ascending, so slot a < slot b: the block is X_a^T X_b
+          xx.block(ra, rb, Fl, Fl) = train.xx[k];
+          xx.block(rb, ra, Fl, Fl) = train.xx[k].transpose();
+          xxh.block(ra, rb, Fl, Fl) = held.xx[k];
+          xxh.block(rb, ra, Fl, Fl) = held.xx[k].transpose();
         }
       }
-      if (keep) {
-        const VecD d = (lam.array() + best.ridge * scale).inverse();
-        best.weights = Q * d.asDiagonal() * P;
-        best.bias = mu_y - best.weights.transpose() * mu;
-      }
     }
+    const RidgeBasis basis = make_basis(static_cast<double>(train.n), sx, xx,
+                                        static_cast<double>(held.n), sxh, xxh);
+    std::array<MapFit, 2> fits;
+    for (int kind = 0; kind < 2; ++kind)
+      fits[static_cast<size_t>(kind)] =
+          fit_map(basis, train.sy[jj].segment(kind * O, O), xy.middleCols(kind * O, O),
+                  held.sy[jj].segment(kind * O, O), xyh.middleCols(kind * O, O),
+                  held.yy[jj][static_cast<size_t>(kind)], options.ridge_grid, keep);
     return fits;
   }
 
   std::vector<int64_t> select_layers(int64_t j) const {
-    if (options.selection == FitOptions::Selection::kAll) return used_layers;
-    if (options.selection == FitOptions::Selection::kExplicit)
-      return options.source_layers[static_cast<size_t>(j)];
+    const auto& C = plan.candidates[static_cast<size_t>(j)];
+    if (options.selection != FitOptions::Selection::kAuto) return C;
     // Greedy forward selection on held-out R², never on in-sample fit (which only rises).
     std::vector<int64_t> chosen;
     double current = -std::numeric_limits<double>::infinity();
     while (static_cast<int64_t>(chosen.size()) < options.max_source_layers) {
       double best_score = -std::numeric_limits<double>::infinity();
       int64_t best_layer = -1;
-      for (int64_t l : used_layers) {
+      for (int64_t l : C) {
         if (std::find(chosen.begin(), chosen.end(), l) != chosen.end()) continue;
         std::vector<int64_t> trial = chosen;
         trial.insert(std::lower_bound(trial.begin(), trial.end(), l), l);
@@ -187,6 +335,35 @@ struct AdapterFitter::Impl {
       current = best_score;
     }
     return chosen;
+  }
+
+  // Held-out R² (mean of K and V, on the sketched outputs) of every source layer alone for
+  // every target layer: score[j][l].
+  std::vector<std::vector<double>> probe_scores() const {
+    const int64_t Ls = source.num_layers, Lt = target.num_layers, r = sketch_width;
+    std::vector<std::vector<double>> score(static_cast<size_t>(Lt),
+                                           std::vector<double>(static_cast<size_t>(Ls)));
+    for (int64_t l = 0; l < Ls; ++l) {
+      const size_t ll = static_cast<size_t>(l);
+      const RidgeBasis basis = make_basis(
+          static_cast<double>(probe_train.n), probe_train.sx[ll],
+          symmetric_from_upper(probe_train.xx[ll]), static_cast<double>(probe_held.n),
+          probe_held.sx[ll], symmetric_from_upper(probe_held.xx[ll]));
+      for (int64_t j = 0; j < Lt; ++j) {
+        double sum = 0;
+        for (int64_t kind = 0; kind < 2; ++kind) {
+          const int64_t map = 2 * j + kind;
+          sum += fit_map(basis, probe_train.sz.segment(map * r, r),
+                         probe_train.xz[ll].middleCols(map * r, r),
+                         probe_held.sz.segment(map * r, r),
+                         probe_held.xz[ll].middleCols(map * r, r), probe_held.zz[map],
+                         options.ridge_grid, false)
+                     .r2;
+        }
+        score[static_cast<size_t>(j)][ll] = 0.5 * sum;
+      }
+    }
+    return score;
   }
 };
 
@@ -210,6 +387,7 @@ AdapterFitter::AdapterFitter(const ModelSpec& source, const ModelSpec& target,
   m.target_inv_freq = detail::rope_inv_freq(target);
   m.layer_features = 2 * source.num_kv_heads * source.head_dim;
   m.outputs = target.num_kv_heads * target.head_dim;
+  std::vector<std::vector<int64_t>> candidates(static_cast<size_t>(target.num_layers));
   if (options.selection == FitOptions::Selection::kExplicit) {
     KVB_CHECK(static_cast<int64_t>(options.source_layers.size()) == target.num_layers,
               "source_layers: need one list per target layer (" << target.num_layers << "), got "
@@ -224,32 +402,58 @@ AdapterFitter::AdapterFitter(const ModelSpec& source, const ModelSpec& target,
         KVB_CHECK(l >= 0 && l < source.num_layers, "source_layers[" << j << "]: layer " << l
                                                                     << " is outside [0, "
                                                                     << source.num_layers << ")");
-      m.options.source_layers[j] = list;
-      m.used_layers.insert(m.used_layers.end(), list.begin(), list.end());
+      candidates[j] = list;
     }
-    std::sort(m.used_layers.begin(), m.used_layers.end());
-    m.used_layers.erase(std::unique(m.used_layers.begin(), m.used_layers.end()),
-                        m.used_layers.end());
+    m.options.source_layers = candidates;
   } else {
-    for (int64_t l = 0; l < source.num_layers; ++l) m.used_layers.push_back(l);
+    for (auto& c : candidates)
+      for (int64_t l = 0; l < source.num_layers; ++l) c.push_back(l);
   }
-  const double F = static_cast<double>(m.features());
-  const double bytes = 2.0 * 8.0 * (F * F + 2.0 * target.num_layers * F * m.outputs);
-  KVB_CHECK(bytes <= static_cast<double>(options.max_memory_bytes),
-            "the fitter's accumulators would take " << bytes / (1 << 20) << " MiB (" << F
-                << " features), over max_memory_bytes " << options.max_memory_bytes / (1 << 20)
-                << " MiB; list fewer source layers per target layer (selection kExplicit)");
-  m.train.init(m.features(), target.num_layers, m.outputs);
-  m.held.init(m.features(), target.num_layers, m.outputs);
+  Plan plan = make_plan(std::move(candidates));
+  const double budget = static_cast<double>(options.max_memory_bytes);
+  const double need = plan_bytes(plan, m.layer_features, m.outputs);
+  if (need <= budget) {
+    m.start_final_pass(std::move(plan));
+    return;
+  }
+  const double mib = 1 << 20;
+  KVB_CHECK(options.selection == FitOptions::Selection::kAuto,
+            "the fitter's accumulators would take "
+                << need / mib << " MiB, over max_memory_bytes " << budget / mib
+                << " MiB; list fewer source layers per target layer (selection kExplicit), use "
+                   "selection kAuto, or raise max_memory_bytes");
+  m.sketch_width = std::min<int64_t>(m.outputs, kProbeSketchWidth);
+  KVB_CHECK(m.probe_bytes() <= budget,
+            "selection kAuto: accumulators for all source layers would take "
+                << need / mib << " MiB and the probe pass that narrows them down "
+                << m.probe_bytes() / mib << " MiB, both over max_memory_bytes " << budget / mib
+                << " MiB");
+  m.passes = 2;
+  m.sketch = gaussian_sketch(m.outputs, m.sketch_width, options.seed);
+  m.probe_train.init(source.num_layers, m.layer_features, m.maps(), m.sketch_width);
+  m.probe_held.init(source.num_layers, m.layer_features, m.maps(), m.sketch_width);
 }
 
 AdapterFitter::~AdapterFitter() = default;
 
-int64_t AdapterFitter::train_tokens() const noexcept { return impl_->train.n; }
-int64_t AdapterFitter::holdout_tokens() const noexcept { return impl_->held.n; }
+int AdapterFitter::passes() const noexcept { return impl_->passes; }
+int AdapterFitter::pass() const noexcept { return impl_->pass; }
+
+int64_t AdapterFitter::train_tokens() const noexcept {
+  return impl_->probing() ? impl_->probe_train.n : impl_->train.n;
+}
+int64_t AdapterFitter::holdout_tokens() const noexcept {
+  return impl_->probing() ? impl_->probe_held.n : impl_->held.n;
+}
 int64_t AdapterFitter::memory_bytes() const noexcept {
-  const int64_t F = impl_->features();
-  return 2 * 8 * (F * F + 2 * impl_->target.num_layers * F * impl_->outputs);
+  const Impl& m = *impl_;
+  return static_cast<int64_t>(m.probing() ? m.probe_bytes()
+                                          : plan_bytes(m.plan, m.layer_features, m.outputs));
+}
+
+std::vector<std::vector<int64_t>> AdapterFitter::candidate_layers() const {
+  KVB_CHECK(!impl_->probing(), "candidate_layers: known after the probe pass (next_pass())");
+  return impl_->plan.candidates;
 }
 
 void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos) {
@@ -258,15 +462,30 @@ void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos)
   KVB_CHECK(start_pos >= 0, "start_pos must be >= 0, got " << start_pos);
   const int64_t T = src.tokens();
   if (T == 0) return;
+  const int64_t Fl = m.layer_features, O = m.outputs, Lt = m.target.num_layers;
+  const bool probing = m.probing();
+  std::vector<int64_t> layers;
+  if (probing) {
+    for (int64_t l = 0; l < m.source.num_layers; ++l) layers.push_back(l);
+  } else {
+    layers = m.plan.slots;
+  }
   // Everything is computed before anything is accumulated, so a bad sample changes nothing.
-  MatD X(T, m.features());
-  for (size_t s = 0; s < m.used_layers.size(); ++s)
-    X.middleCols(static_cast<int64_t>(s) * m.layer_features, m.layer_features) = unrotated_rows(
-        m.source, m.source_inv_freq, m.options.rope_aware, src, m.used_layers[s], start_pos);
-  std::vector<MatD> Y;
-  for (int64_t j = 0; j < m.target.num_layers; ++j)
-    Y.push_back(unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, tgt, j,
-                               start_pos));
+  MatD X(T, static_cast<int64_t>(layers.size()) * Fl);
+  for (size_t s = 0; s < layers.size(); ++s)
+    X.middleCols(static_cast<int64_t>(s) * Fl, Fl) = unrotated_rows(
+        m.source, m.source_inv_freq, m.options.rope_aware, src, layers[s], start_pos);
+  MatD Y(T, Lt * 2 * O);  // target layer j's keys then values at columns j * 2O
+  for (int64_t j = 0; j < Lt; ++j)
+    Y.middleCols(j * 2 * O, 2 * O) =
+        unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, tgt, j, start_pos);
+  if (probing) {
+    const int64_t r = m.sketch_width;
+    MatD Z(T, m.maps() * r);
+    for (int64_t map = 0; map < m.maps(); ++map)
+      Z.middleCols(map * r, r).noalias() = Y.middleCols(map * O, O) * m.sketch;
+    Y = std::move(Z);
+  }
 
   std::vector<int64_t> rows[2];
   for (int64_t t = 0; t < T; ++t) {
@@ -276,23 +495,97 @@ void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos)
   }
   for (int part = 0; part < 2; ++part) {
     if (rows[part].empty()) continue;
-    Moments& acc = part ? m.held : m.train;
     const MatD Xp = X(rows[part], Eigen::all);
-    acc.n += static_cast<int64_t>(rows[part].size());
-    acc.sx += Xp.colwise().sum().transpose();
-    acc.xx.selfadjointView<Eigen::Upper>().rankUpdate(Xp.transpose());
-    for (int64_t j = 0; j < m.target.num_layers; ++j)
-      for (int kind = 0; kind < 2; ++kind) {
-        const MatD Yp = Y[static_cast<size_t>(j)](rows[part], Eigen::seqN(kind * m.outputs, m.outputs));
-        acc.xy[static_cast<size_t>(j)][static_cast<size_t>(kind)].noalias() += Xp.transpose() * Yp;
-        acc.sy[static_cast<size_t>(j)][static_cast<size_t>(kind)] += Yp.colwise().sum().transpose();
-        acc.yy[static_cast<size_t>(j)][static_cast<size_t>(kind)] += Yp.squaredNorm();
+    const MatD Yp = Y(rows[part], Eigen::all);
+    if (probing) {
+      ProbeMoments& acc = part ? m.probe_held : m.probe_train;
+      const int64_t r = m.sketch_width;
+      acc.n += static_cast<int64_t>(rows[part].size());
+      acc.sz += Yp.colwise().sum().transpose();
+      for (int64_t map = 0; map < m.maps(); ++map)
+        acc.zz[map] += Yp.middleCols(map * r, r).squaredNorm();
+      for (size_t l = 0; l < layers.size(); ++l) {
+        const auto Xl = Xp.middleCols(static_cast<int64_t>(l) * Fl, Fl);
+        acc.sx[l] += Xl.colwise().sum().transpose();
+        acc.xx[l].selfadjointView<Eigen::Upper>().rankUpdate(Xl.transpose());
+        acc.xz[l].noalias() += Xl.transpose() * Yp;
       }
+      continue;
+    }
+    BlockMoments& acc = part ? m.held : m.train;
+    acc.n += static_cast<int64_t>(rows[part].size());
+    for (size_t s = 0; s < layers.size(); ++s)
+      acc.sx[s] += Xp.middleCols(static_cast<int64_t>(s) * Fl, Fl).colwise().sum().transpose();
+    for (size_t k = 0; k < m.plan.blocks.size(); ++k) {
+      const auto [a, b] = m.plan.blocks[k];
+      const auto Xa = Xp.middleCols(a * Fl, Fl);
+      if (a == b)
+        acc.xx[k].selfadjointView<Eigen::Upper>().rankUpdate(Xa.transpose());
+      else
+        acc.xx[k].noalias() += Xa.transpose() * Xp.middleCols(b * Fl, Fl);
+    }
+    for (int64_t j = 0; j < Lt; ++j) {
+      const size_t jj = static_cast<size_t>(j);
+      const auto Yj = Yp.middleCols(j * 2 * O, 2 * O);
+      acc.sy[jj] += Yj.colwise().sum().transpose();
+      acc.yy[jj][0] += Yj.leftCols(O).squaredNorm();
+      acc.yy[jj][1] += Yj.rightCols(O).squaredNorm();
+      const auto& C = m.plan.candidates[jj];
+      for (size_t c = 0; c < C.size(); ++c)
+        acc.xy[jj][c].noalias() += Xp.middleCols(m.plan.slot(C[c]) * Fl, Fl).transpose() * Yj;
+    }
   }
+}
+
+void AdapterFitter::next_pass() {
+  Impl& m = *impl_;
+  KVB_CHECK(m.probing(), "next_pass: this fitter " << (m.passes == 1 ? "has a single pass"
+                                                                       : "is in its last pass"));
+  KVB_CHECK(m.probe_train.n >= 2 && m.probe_held.n >= 2,
+            "next_pass: the probe pass needs at least 2 training and 2 held-out tokens, has "
+                << m.probe_train.n << " and " << m.probe_held.n);
+  const auto score = m.probe_scores();
+  const int64_t Ls = m.source.num_layers, Lt = m.target.num_layers;
+  std::vector<std::vector<int64_t>> order(static_cast<size_t>(Lt));
+  for (int64_t j = 0; j < Lt; ++j) {
+    auto& o = order[static_cast<size_t>(j)];
+    for (int64_t l = 0; l < Ls; ++l) o.push_back(l);
+    const auto& s = score[static_cast<size_t>(j)];
+    std::stable_sort(o.begin(), o.end(), [&](int64_t a, int64_t b) {
+      return s[static_cast<size_t>(a)] > s[static_cast<size_t>(b)];
+    });
+  }
+  // Round-robin by rank: every target layer gets its best source layer before any gets a
+  // second; a target layer whose next candidate does not fit takes no more.
+  const double budget = static_cast<double>(m.options.max_memory_bytes);
+  const int64_t most = std::min(m.options.max_source_layers, Ls);
+  std::vector<std::vector<int64_t>> candidates(static_cast<size_t>(Lt));
+  std::vector<bool> full(static_cast<size_t>(Lt), false);
+  for (int64_t rank = 0; rank < most; ++rank)
+    for (int64_t j = 0; j < Lt; ++j) {
+      const size_t jj = static_cast<size_t>(j);
+      if (full[jj]) continue;
+      auto trial = candidates;
+      trial[jj].push_back(order[jj][static_cast<size_t>(rank)]);
+      if (plan_bytes(make_plan(trial), m.layer_features, m.outputs) <= budget)
+        candidates = std::move(trial);
+      else
+        full[jj] = true;
+    }
+  for (int64_t j = 0; j < Lt; ++j)
+    KVB_CHECK(!candidates[static_cast<size_t>(j)].empty(),
+              "max_memory_bytes " << budget / (1 << 20)
+                                  << " MiB cannot hold one source layer for every target layer");
+  for (auto& c : candidates) std::sort(c.begin(), c.end());
+  m.start_final_pass(make_plan(std::move(candidates)));
+  m.pass = 1;
 }
 
 LinearAdapter AdapterFitter::fit() const {
   const Impl& m = *impl_;
+  KVB_CHECK(!m.probing(),
+            "fit: the fitter is in its probe pass (pass 1 of 2, which selects candidate source "
+            "layers); call next_pass() and add the samples again first");
   KVB_CHECK(m.train.n >= 2 && m.held.n >= 2,
             "fit: need at least 2 training and 2 held-out tokens, have " << m.train.n << " and "
                                                                          << m.held.n);

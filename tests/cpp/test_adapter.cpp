@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "src/adapter/numeric.h"
@@ -112,21 +113,25 @@ void rotate_keys(FloatKV& kv, int64_t start_pos) {
 }
 
 struct PlantedPair {
-  ModelSpec source = make_spec("src", 3, 2, 8, 10000.0, RopeStyle::kHalf);
+  ModelSpec source;
   ModelSpec target = make_spec("tgt", 2, 3, 6, 50000.0, RopeStyle::kInterleaved);
-  std::vector<std::array<std::vector<float>, 2>> w;  // [target layer][K/V] -> [sw2, tw]
+  std::vector<std::vector<int64_t>> planted;          // [target layer] -> its source layers
+  std::vector<std::array<std::vector<float>, 2>> w;  // [target layer][K/V] -> [|planted| sw2, tw]
   std::vector<std::array<std::vector<float>, 2>> b;
-  // Target layer j draws on source layers {j, j + 1} (planted).
-  PlantedPair() {
+  // By default target layer j draws on source layers {j, j + 1} of 3.
+  explicit PlantedPair(int64_t source_layers = 3,
+                       std::vector<std::vector<int64_t>> layers = {{0, 1}, {1, 2}})
+      : source(make_spec("src", source_layers, 2, 8, 10000.0, RopeStyle::kHalf)),
+        planted(std::move(layers)) {
     target.rope_scaling = RopeScaling{RopeScaling::Type::kLinear, 2.0, 1.0, 4.0, 8192};
     std::mt19937 rng(42);
     std::normal_distribution<float> dist(0.f, 0.3f);
-    const int64_t sw2 = 2 * 2 * 2 * 8, tw = 3 * 6;
+    const int64_t sw2 = 2 * 2 * 8, tw = 3 * 6;
     w.resize(2);
     b.resize(2);
     for (int j = 0; j < 2; ++j)
       for (int k = 0; k < 2; ++k) {
-        w[j][k].resize(static_cast<size_t>(sw2 * tw));
+        w[j][k].resize(planted[j].size() * static_cast<size_t>(sw2 * tw));
         for (auto& v : w[j][k]) v = dist(rng);
         b[j][k].resize(static_cast<size_t>(tw));
         for (auto& v : b[j][k]) v = dist(rng) + 1.f;
@@ -142,10 +147,10 @@ struct PlantedPair {
         for (int64_t t = 0; t < T; ++t)
           for (int64_t o = 0; o < tw; ++o) {
             double acc = b[j][k][o];
-            for (int64_t s = 0; s < 2; ++s)
+            for (size_t s = 0; s < planted[j].size(); ++s)
               for (int kk = 0; kk < 2; ++kk)
                 for (int64_t f = 0; f < sw; ++f)
-                  acc += src.plane(j + s, kk)[t * sw + f] *
+                  acc += src.plane(planted[j][s], kk)[t * sw + f] *
                          w[j][k][((s * 2 + kk) * sw + f) * tw + o];
             tgt.plane(j, k)[t * tw + o] = static_cast<float>(acc);
           }
@@ -187,6 +192,96 @@ TEST(AdapterFitter, RecoversPlantedMapThroughRope) {
     }
     EXPECT_LT(std::sqrt(err / ref), 1e-3);
   }
+}
+
+// Source 6 layers: all-layer accumulators take 569,536 bytes, the probe 323,776. A budget between
+// the two makes "auto" probe first, then keep a few candidates per target layer.
+TEST(AdapterFitter, TwoPassSelectionWithinMemoryBudget) {
+  PlantedPair pair(6, {{1, 4}, {0, 5}});
+  FitOptions o;
+  o.max_memory_bytes = 400000;
+  AdapterFitter fitter(pair.source, pair.target, o);
+  ASSERT_EQ(fitter.passes(), 2);
+  EXPECT_EQ(fitter.pass(), 0);
+  EXPECT_EQ(fitter.memory_bytes(), 323776);
+  EXPECT_THROW(fitter.fit(), InvalidArgument);
+  EXPECT_THROW(fitter.candidate_layers(), InvalidArgument);
+  EXPECT_THROW(fitter.next_pass(), InvalidArgument);  // no samples yet
+  auto add_all = [&] {
+    for (int i = 0; i < 8; ++i) {
+      FloatKV src(pair.source, 97), tgt(pair.target, 97);
+      pair.sample(97, 13 + 200 * i, 100 + i, src, tgt);
+      fitter.add(src.view(), tgt.view(), 13 + 200 * i);
+    }
+  };
+  add_all();
+  const int64_t probe_train = fitter.train_tokens(), probe_held = fitter.holdout_tokens();
+  fitter.next_pass();
+  EXPECT_EQ(fitter.pass(), 1);
+  EXPECT_EQ(fitter.train_tokens() + fitter.holdout_tokens(), 0);
+  EXPECT_LE(fitter.memory_bytes(), o.max_memory_bytes);
+  EXPECT_THROW(fitter.next_pass(), InvalidArgument);  // already in the last pass
+  const auto candidates = fitter.candidate_layers();
+  ASSERT_EQ(candidates.size(), 2u);
+  for (size_t j = 0; j < 2; ++j) {
+    EXPECT_LT(candidates[j].size(), 6u);  // the budget cannot hold every layer
+    for (int64_t l : pair.planted[j])
+      EXPECT_NE(std::find(candidates[j].begin(), candidates[j].end(), l), candidates[j].end())
+          << "target layer " << j << " lost planted source layer " << l;
+  }
+  add_all();
+  EXPECT_EQ(fitter.train_tokens(), probe_train);  // the same split as the probe pass
+  EXPECT_EQ(fitter.holdout_tokens(), probe_held);
+  const LinearAdapter adapter = fitter.fit();
+  for (size_t j = 0; j < 2; ++j) {
+    const LayerFit& lf = adapter.report().layers[j];
+    EXPECT_EQ(lf.source_layers, pair.planted[j]);
+    EXPECT_GT(lf.r2_key, 0.9999);
+    EXPECT_GT(lf.r2_value, 0.9999);
+  }
+  FloatKV src(pair.source, 31), tgt(pair.target, 31), out(pair.target, 31);
+  pair.sample(31, 5000, 999, src, tgt);
+  adapter.convert(src.view(), 5000, out.view());
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < tgt.data.size(); ++i) {
+    err += std::pow(out.data[i] - tgt.data[i], 2);
+    ref += std::pow(tgt.data[i], 2);
+  }
+  EXPECT_LT(std::sqrt(err / ref), 1e-3);
+  // The block accumulators give the same maps as one pass over exactly the chosen layers.
+  FitOptions explicit_options;
+  explicit_options.selection = FitOptions::Selection::kExplicit;
+  explicit_options.source_layers = pair.planted;
+  AdapterFitter direct(pair.source, pair.target, explicit_options);
+  for (int i = 0; i < 8; ++i) {
+    FloatKV s(pair.source, 97), t(pair.target, 97);
+    pair.sample(97, 13 + 200 * i, 100 + i, s, t);
+    direct.add(s.view(), t.view(), 13 + 200 * i);
+  }
+  const LinearAdapter direct_adapter = direct.fit();
+  FloatKV direct_out(pair.target, 31);
+  direct_adapter.convert(src.view(), 5000, direct_out.view());
+  double diff = 0;
+  for (size_t i = 0; i < out.data.size(); ++i)
+    diff = std::max(diff, std::abs(static_cast<double>(out.data[i]) - direct_out.data[i]));
+  EXPECT_LT(diff, 1e-4);
+  for (size_t j = 0; j < 2; ++j) {
+    EXPECT_NEAR(adapter.report().layers[j].r2_key, direct_adapter.report().layers[j].r2_key, 1e-9);
+    EXPECT_NEAR(adapter.report().layers[j].r2_value, direct_adapter.report().layers[j].r2_value,
+                1e-9);
+  }
+
+  // One pass when everything fits; nothing fits: an error at construction. "all" never probes.
+  o.max_memory_bytes = 569536;
+  AdapterFitter one_pass(pair.source, pair.target, o);
+  EXPECT_EQ(one_pass.passes(), 1);
+  EXPECT_EQ(one_pass.memory_bytes(), 569536);
+  EXPECT_THROW(one_pass.next_pass(), InvalidArgument);
+  o.max_memory_bytes = 323775;
+  EXPECT_THROW(AdapterFitter(pair.source, pair.target, o), InvalidArgument);
+  o.max_memory_bytes = 400000;
+  o.selection = FitOptions::Selection::kAll;
+  EXPECT_THROW(AdapterFitter(pair.source, pair.target, o), InvalidArgument);
 }
 
 TEST(AdapterFitter, NaiveFitCannotFollowRope) {

@@ -210,3 +210,34 @@ def test_file_is_plain_safetensors(fitted, tmp_path):
         kvbridge.LinearAdapter.load(tmp_path / "trunc.safetensors")
     with pytest.raises(kvbridge.NotFoundError):
         kvbridge.LinearAdapter.load(tmp_path / "absent.safetensors")
+
+
+def test_two_pass_fit_within_a_memory_budget(weights):
+    # All-layer accumulators for SRC -> TGT take 125,152 bytes, the probe pass 108,768.
+    samples = {i: planted_sample(weights, 60, 0, seed=i) for i in range(4)}
+    fitter = kvbridge.AdapterFitter(SRC, TGT, max_memory_bytes=115_000)
+    assert (fitter.passes, fitter.pass_index, fitter.memory_bytes) == (2, 0, 108_768)
+    for i in range(4):
+        fitter.add(*samples[i])
+    with pytest.raises(ValueError, match="probe pass"):
+        fitter.fit()
+    fitter.next_pass()
+    assert fitter.pass_index == 1 and fitter.train_tokens == 0
+    assert fitter.memory_bytes <= 115_000
+    candidates = fitter.candidate_layers()
+    assert len(candidates) == 3 and all(c and set(c) <= {0, 1} for c in candidates)
+    assert sum(len(c) for c in candidates) < 6  # the budget cannot hold both layers everywhere
+    for i in range(4):
+        fitter.add(*samples[i])
+    manual = fitter.fit().report
+
+    adapter = kvbridge.fit_adapter(SRC, TGT, lambda i: samples[i][0], lambda i: samples[i][1],
+                                   list(range(4)), progress=False, max_memory_bytes=115_000)
+    assert adapter.report == manual  # the helper runs the same two passes
+    with pytest.raises(ValueError, match="re-iterable"):
+        kvbridge.fit_adapter(SRC, TGT, lambda i: samples[i][0], lambda i: samples[i][1],
+                             iter(range(4)), progress=False, max_memory_bytes=115_000)
+    one_pass = kvbridge.AdapterFitter(SRC, TGT, max_memory_bytes=125_152)
+    assert one_pass.passes == 1
+    with pytest.raises(ValueError, match="single pass"):
+        one_pass.next_pass()
