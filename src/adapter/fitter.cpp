@@ -270,21 +270,33 @@ struct AdapterFitter::Impl {
     tokens_seen = 0;
   }
 
-  // Ridge fits of target layer j's K and V maps from source layers S (ascending, a subset of the
-  // plan's candidates for j); weights only if asked.
-  std::array<MapFit, 2> evaluate(int64_t j, const std::vector<int64_t>& S, bool keep) const {
+  // Target layer j's K and V maps from source layers S (ascending, a subset of the plan's
+  // candidates for j), scored on held-out tokens for every ridge strength.
+  struct Candidate {
+    std::vector<int64_t> layers;
+    RidgeBasis basis;
+    MatD xy, xyh;               // [F, 2 * O]: features against keys then values
+    std::array<MapFit, 2> fits;  // K, V: best ridge and held-out R², no weights yet
+    double score() const { return 0.5 * (fits[0].r2 + fits[1].r2); }
+  };
+
+  Candidate evaluate(int64_t j, const std::vector<int64_t>& S) const {
     const int64_t Fl = layer_features, O = outputs, F = static_cast<int64_t>(S.size()) * Fl;
     const auto& C = plan.candidates[static_cast<size_t>(j)];
     const size_t jj = static_cast<size_t>(j);
+    Candidate out;
+    out.layers = S;
     VecD sx(F), sxh(F);
-    MatD xx(F, F), xxh(F, F), xy(F, 2 * O), xyh(F, 2 * O);
+    MatD xx(F, F), xxh(F, F);
+    out.xy.resize(F, 2 * O);
+    out.xyh.resize(F, 2 * O);
     for (size_t a = 0; a < S.size(); ++a) {
       const int64_t sa = plan.slot(S[a]), ra = static_cast<int64_t>(a) * Fl;
       const size_t ca = static_cast<size_t>(std::find(C.begin(), C.end(), S[a]) - C.begin());
       sx.segment(ra, Fl) = train.sx[static_cast<size_t>(sa)];
       sxh.segment(ra, Fl) = held.sx[static_cast<size_t>(sa)];
-      xy.middleRows(ra, Fl) = train.xy[jj][ca];
-      xyh.middleRows(ra, Fl) = held.xy[jj][ca];
+      out.xy.middleRows(ra, Fl) = train.xy[jj][ca];
+      out.xyh.middleRows(ra, Fl) = held.xy[jj][ca];
       for (size_t b = a; b < S.size(); ++b) {
         const int64_t rb = static_cast<int64_t>(b) * Fl;
         const size_t k = static_cast<size_t>(plan.block(sa, plan.slot(S[b])));
@@ -299,40 +311,45 @@ struct AdapterFitter::Impl {
         }
       }
     }
-    const RidgeBasis basis = make_basis(static_cast<double>(train.n), sx, xx,
-                                        static_cast<double>(held.n), sxh, xxh);
-    std::array<MapFit, 2> fits;
+    out.basis = make_basis(static_cast<double>(train.n), sx, xx, static_cast<double>(held.n),
+                           sxh, xxh);
     for (int kind = 0; kind < 2; ++kind)
-      fits[static_cast<size_t>(kind)] =
-          fit_map(basis, train.sy[jj].segment(kind * O, O), xy.middleCols(kind * O, O),
-                  held.sy[jj].segment(kind * O, O), xyh.middleCols(kind * O, O),
-                  held.yy[jj][static_cast<size_t>(kind)], options.ridge_grid, keep);
-    return fits;
+      out.fits[static_cast<size_t>(kind)] = map(j, out, kind, /*keep=*/false);
+    return out;
   }
 
-  std::vector<int64_t> select_layers(int64_t j) const {
+  MapFit map(int64_t j, const Candidate& c, int kind, bool keep) const {
+    const int64_t O = outputs;
+    const size_t jj = static_cast<size_t>(j);
+    return fit_map(c.basis, train.sy[jj].segment(kind * O, O), c.xy.middleCols(kind * O, O),
+                   held.sy[jj].segment(kind * O, O), c.xyh.middleCols(kind * O, O),
+                   held.yy[jj][static_cast<size_t>(kind)], options.ridge_grid, keep);
+  }
+
+  // The layers fit() uses for target layer j, with their basis (not recomputed for the weights).
+  Candidate select(int64_t j) const {
     const auto& C = plan.candidates[static_cast<size_t>(j)];
-    if (options.selection != FitOptions::Selection::kAuto) return C;
+    if (options.selection != FitOptions::Selection::kAuto) return evaluate(j, C);
     // Greedy forward selection on held-out R², never on in-sample fit (which only rises).
-    std::vector<int64_t> chosen;
+    Candidate chosen;
     double current = -std::numeric_limits<double>::infinity();
-    while (static_cast<int64_t>(chosen.size()) < options.max_source_layers) {
-      double best_score = -std::numeric_limits<double>::infinity();
-      int64_t best_layer = -1;
+    while (static_cast<int64_t>(chosen.layers.size()) < options.max_source_layers) {
+      Candidate best;
+      bool found = false;
       for (int64_t l : C) {
-        if (std::find(chosen.begin(), chosen.end(), l) != chosen.end()) continue;
-        std::vector<int64_t> trial = chosen;
+        if (std::find(chosen.layers.begin(), chosen.layers.end(), l) != chosen.layers.end())
+          continue;
+        std::vector<int64_t> trial = chosen.layers;
         trial.insert(std::lower_bound(trial.begin(), trial.end(), l), l);
-        const auto fits = evaluate(j, trial, false);
-        const double score = 0.5 * (fits[0].r2 + fits[1].r2);
-        if (score > best_score) {
-          best_score = score;
-          best_layer = l;
+        Candidate c = evaluate(j, trial);
+        if (!found || c.score() > best.score()) {
+          best = std::move(c);
+          found = true;
         }
       }
-      if (best_layer < 0 || (!chosen.empty() && best_score < current + 1e-4)) break;
-      chosen.insert(std::lower_bound(chosen.begin(), chosen.end(), best_layer), best_layer);
-      current = best_score;
+      if (!found || (!chosen.layers.empty() && best.score() < current + 1e-4)) break;
+      current = best.score();
+      chosen = std::move(best);
     }
     return chosen;
   }
@@ -598,8 +615,10 @@ LinearAdapter AdapterFitter::fit() const {
   out->report.holdout_tokens = m.held.n;
   out->report.rope_aware = m.options.rope_aware;
   for (int64_t j = 0; j < m.target.num_layers; ++j) {
-    const std::vector<int64_t> S = m.select_layers(j);
-    const auto fits = m.evaluate(j, S, /*keep=*/true);
+    const Impl::Candidate chosen = m.select(j);
+    const std::vector<int64_t>& S = chosen.layers;
+    const std::array<MapFit, 2> fits = {m.map(j, chosen, 0, /*keep=*/true),
+                                        m.map(j, chosen, 1, /*keep=*/true)};
     out->layers.push_back(S);
     LayerFit lf;
     lf.source_layers = S;
