@@ -20,13 +20,14 @@
 //
 // Memory: `capacity_bytes` bounds the accounted bytes (the stored payload's allocation, see
 // StorageFormat, rounded up to 64 bytes, or to 2 MiB for payloads of 32 MiB and more, + 4 bytes
-// per token id + a fixed per-entry overhead, see StoreStats) at every instant; space is reserved before an entry is
-// allocated and released when its memory is freed. Eviction follows StoreOptions::eviction
-// within a shard, shards taken round robin (exact with num_shards = 1). Up to four freed
-// payloads of 1 MiB or more are kept (and stay accounted) for reuse by the next entry of the
-// same size; they are freed first when room is needed. An entry referenced by a live Match is
-// pinned: it is never evicted, and its bytes stay accounted until the last Match holding it is
-// destroyed. Entries evicted from memory stay in the lower tiers.
+// per token id + a fixed per-entry overhead, see StoreStats) at every instant; space is
+// reserved before an entry is allocated and released when its memory is freed. Eviction
+// follows StoreOptions::eviction within a shard, shards taken round robin (exact with
+// num_shards = 1). Up to four freed payloads of 1 MiB or more are kept (and stay accounted)
+// for reuse by the next entry of the same size; they are freed first when room is needed. An
+// entry referenced by a live Match is pinned: it is never evicted, and its bytes stay
+// accounted until the last Match holding it is destroyed. Entries evicted from memory stay in
+// the lower tiers.
 #pragma once
 
 #include <array>

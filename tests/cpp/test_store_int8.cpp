@@ -126,7 +126,8 @@ ErrorReport check_against_reference(const KVView& in, const KVView& out, int64_t
       const int64_t c0 = t / group * group;
       for (int64_t h = 0; h < heads; ++h) {
         double vmax = 0;
-        for (int64_t d = 0; d < dim; ++d) vmax = std::max(vmax, std::fabs(element(in, l, 1, t, h, d)));
+        for (int64_t d = 0; d < dim; ++d)
+          vmax = std::max(vmax, std::fabs(element(in, l, 1, t, h, d)));
         for (int64_t d = 0; d < dim; ++d) {
           double kmax = 0;
           for (int64_t u = c0; u < c0 + group; ++u)
@@ -203,7 +204,8 @@ TEST_P(StoreInt8, MemoryAndByteCountersUseTheInt8Size) {
   const int64_t payload = 2 * 3 * kChunk * 3 * 18 + 4 * 3 * 3 * (18 + kChunk);
   ASSERT_EQ(detail::int8_payload_bytes(3, kChunk, 3, 18), payload);
   const StoreStats st = store.stats();
-  EXPECT_EQ(st.bytes_used, 2 * ((payload + 63) / 64 * 64 + 4 * kChunk + StoreStats::kEntryOverheadBytes));
+  EXPECT_EQ(st.bytes_used,
+            2 * ((payload + 63) / 64 * 64 + 4 * kChunk + StoreStats::kEntryOverheadBytes));
   EXPECT_EQ(st.disk.bytes_written,
             2 * static_cast<int64_t>(detail::entry_encoded_bytes(kChunk, payload)));
 }
