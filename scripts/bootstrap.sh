@@ -8,7 +8,7 @@ VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 
 DEB_PACKAGES=(g++ libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev libeigen3-dev
-  nlohmann-json3-dev libhiredis-dev libssl-dev redis-server fortunes)
+  nlohmann-json3-dev libhiredis-dev libssl-dev redis-server fortunes clang-14 libomp-14-dev)
 PIP_PACKAGES=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "xxhash>=3" "safetensors>=0.4"
   "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja tqdm)
 

@@ -18,15 +18,16 @@
 // memory. A lower tier that fails (I/O error, full disk, Redis down or slow) is a miss or a
 // skipped write, counted in stats(); it never throws into put() or match().
 //
-// Memory: `capacity_bytes` bounds the accounted bytes (the KV payload's allocation, rounded up
-// to 64 bytes, or to 2 MiB for payloads of 32 MiB and more, + 4 bytes per token id + a fixed
-// per-entry overhead, see StoreStats) at every instant; space is reserved before an entry is
-// allocated and released when its memory is freed. Eviction follows StoreOptions::eviction
-// within a shard, shards taken round robin (exact with num_shards = 1). Up to four freed
-// payloads of 1 MiB or more are kept (and stay accounted) for reuse by the next entry of the
-// same size; they are freed first when room is needed. An entry referenced by a live Match is
-// pinned: it is never evicted, and its bytes stay accounted until the last Match holding it is
-// destroyed. Entries evicted from memory stay in the lower tiers.
+// Memory: `capacity_bytes` bounds the accounted bytes (the stored payload's allocation, see
+// StorageFormat, rounded up to 64 bytes, or to 2 MiB for payloads of 32 MiB and more, + 4 bytes
+// per token id + a fixed per-entry overhead, see StoreStats) at every instant; space is
+// reserved before an entry is allocated and released when its memory is freed. Eviction
+// follows StoreOptions::eviction within a shard, shards taken round robin (exact with
+// num_shards = 1). Up to four freed payloads of 1 MiB or more are kept (and stay accounted)
+// for reuse by the next entry of the same size; they are freed first when room is needed. An
+// entry referenced by a live Match is pinned: it is never evicted, and its bytes stay
+// accounted until the last Match holding it is destroyed. Entries evicted from memory stay in
+// the lower tiers.
 #pragma once
 
 #include <array>
@@ -56,6 +57,24 @@ const char* eviction_policy_name(EvictionPolicy policy) noexcept;
 /// The inverse of eviction_policy_name; throws InvalidArgument otherwise.
 EvictionPolicy parse_eviction_policy(const std::string& name);
 
+/// How the store keeps an entry's KV, in memory and in the disk and Redis tiers.
+///   kNative  the entry's dtype, bit-exact; payload 2*L*T*H*D*sizeof(dtype) bytes.
+///   kInt8    int8 codes with float32 scales: keys one scale per (layer, KV head, channel) over
+///            the chunk's T tokens, values one per (layer, KV head, token) over the head dim D;
+///            match() returns them dequantized to the entry's dtype. Payload
+///            2*L*T*H*D + 4*L*H*(D + T) bytes: (1/2 + 1/T + 1/D) of the bfloat16 payload, e.g.
+///            0.52 for T = 256, D = 64 (accounted bytes add 4*T + kEntryOverheadBytes to both).
+///            Each element comes back within scale/2 of what was put (plus float32 and dtype
+///            rounding). Keys live under their own chain (h_0 is derived from the native salt
+///            and "int8"), so native and int8 stores sharing a directory or Redis never see
+///            each other's entries. put() throws InvalidArgument for NaN or infinite KV.
+enum class StorageFormat : uint8_t { kNative = 0, kInt8 = 1 };
+
+/// "native" or "int8".
+const char* storage_format_name(StorageFormat format) noexcept;
+/// The inverse of storage_format_name; throws InvalidArgument otherwise.
+StorageFormat parse_storage_format(const std::string& name);
+
 /// Tier selectors for erase() and clear(), combinable with |.
 enum StoreTier : unsigned { kMemoryTier = 1u, kDiskTier = 2u, kRedisTier = 4u };
 constexpr unsigned kAllTiers = kMemoryTier | kDiskTier | kRedisTier;
@@ -68,6 +87,8 @@ struct StoreOptions {
   /// Entries expire this many seconds after the put that created them, in every tier (an
   /// expired entry is a miss and is removed; Redis values also get this expiry). 0: never.
   int64_t ttl_seconds = 0;
+  /// Entry storage (see StorageFormat); lossy int8 roughly halves the bytes of 16-bit KV.
+  StorageFormat storage = StorageFormat::kNative;
 
   // --- Disk tier: off while disk_dir is empty. ---
   /// Directory for entry files (created if missing). One live store per directory: a second

@@ -59,6 +59,7 @@ class StoreOptions:
     num_shards: int
     eviction: str
     ttl_seconds: int
+    storage: str
     disk_dir: str
     disk_capacity_bytes: int
     disk_fsync: bool
@@ -88,6 +89,8 @@ class KVStore:
     def capacity_bytes(self) -> int: ...
     @property
     def chunk_tokens(self) -> int: ...
+    @property
+    def storage(self) -> str: ...
     def put(self, spec: ModelSpec, tokens: np.ndarray, keys: List[TensorView],
             values: List[TensorView], namespace: str) -> int: ...
     def match(self, spec: ModelSpec, tokens: np.ndarray, namespace: str) -> Match: ...

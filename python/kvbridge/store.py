@@ -56,6 +56,10 @@ class KVStore:
     num_shards: lock shards (eviction is exact with 1, per shard otherwise).
     eviction: "lru" (default), "lfu" or "ttl" (oldest put first; needs ttl_seconds).
     ttl_seconds: entries expire this long after their put, in every tier (0: never).
+    storage: "native" (default: the spec's dtype, bit-exact) or "int8" (int8 codes with
+        float32 scales, per channel for keys and per token for values; about half the bytes of
+        bfloat16; match returns them dequantized to the spec's dtype, each element within half
+        a quantization step). put raises ValueError for NaN or infinite KV with "int8".
     **options: any other field of StoreOptions (include/kvbridge/kv_store.h), e.g.
         disk_fsync, redis_key_prefix, redis_command_timeout_ms, redis_filter,
         redis_filter_refresh_ms.
@@ -65,13 +69,14 @@ class KVStore:
                  disk_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
                  disk_capacity_bytes: Optional[int] = None, redis_url: Optional[str] = None, *,
                  num_shards: int = 16, eviction: str = "lru", ttl_seconds: int = 0,
-                 **options: Any):
+                 storage: str = "native", **options: Any):
         o = _core.StoreOptions()
         o.capacity_bytes = int(capacity_bytes)
         o.chunk_tokens = int(chunk_tokens)
         o.num_shards = int(num_shards)
         o.eviction = eviction
         o.ttl_seconds = int(ttl_seconds)
+        o.storage = storage
         if disk_dir is not None:
             o.disk_dir = os.fspath(disk_dir)
         if disk_capacity_bytes is not None:
@@ -91,6 +96,11 @@ class KVStore:
     @property
     def chunk_tokens(self) -> int:
         return self._store.chunk_tokens
+
+    @property
+    def storage(self) -> str:
+        """Entry storage: "native" or "int8"."""
+        return self._store.storage
 
     def put(self, spec: _core.ModelSpec, tokens: Any, kv: KVCache,
             namespace: str = "default") -> int:

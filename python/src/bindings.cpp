@@ -281,6 +281,11 @@ PYBIND11_MODULE(_core, m) {
             o.eviction = parse_eviction_policy(name);
           })
       .def_readwrite("ttl_seconds", &StoreOptions::ttl_seconds)
+      .def_property(
+          "storage", [](const StoreOptions& o) { return storage_format_name(o.storage); },
+          [](StoreOptions& o, const std::string& name) {
+            o.storage = parse_storage_format(name);
+          })
       .def_readwrite("disk_dir", &StoreOptions::disk_dir)
       .def_readwrite("disk_capacity_bytes", &StoreOptions::disk_capacity_bytes)
       .def_readwrite("disk_fsync", &StoreOptions::disk_fsync)
@@ -319,6 +324,8 @@ PYBIND11_MODULE(_core, m) {
                              [](const KVStore& s) { return s.options().capacity_bytes; })
       .def_property_readonly("chunk_tokens",
                              [](const KVStore& s) { return s.options().chunk_tokens; })
+      .def_property_readonly(
+          "storage", [](const KVStore& s) { return storage_format_name(s.options().storage); })
       .def(
           "put",
           [](KVStore& store, const ModelSpec& spec,

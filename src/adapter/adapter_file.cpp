@@ -17,6 +17,9 @@ namespace {
 using nlohmann::json;
 constexpr const char* kFormat = "kvbridge.adapter";
 constexpr const char* kFormatVersion = "1";
+// Largest layer count, KV heads and head dim a file may declare: the fingerprint only proves
+// the fields agree, and load sizes buffers from them before any tensor is checked.
+constexpr int64_t kMaxFileDim = int64_t{1} << 16;
 
 json spec_json(const ModelSpec& s) {
   return json{{"name", s.name},
@@ -57,6 +60,9 @@ ModelSpec spec_from_json(const json& j, const char* what) {
     s.rope_scaling.high_freq_factor = r.at("high_freq_factor").get<double>();
     s.rope_scaling.original_max_position = r.at("original_max_position").get<int64_t>();
     s.validate();
+    KVB_CHECK(s.num_layers <= kMaxFileDim && s.num_kv_heads <= kMaxFileDim &&
+                  s.head_dim <= kMaxFileDim,
+              "layers, KV heads and head dim must be at most " << kMaxFileDim);
     KVB_CHECK(s.fingerprint() == j.at("fingerprint").get<std::string>(),
               "fingerprint does not match the fields");
     return s;

@@ -6,6 +6,7 @@
 
 #include "kvbridge/error.h"
 #include "src/core/xxh3.h"
+#include "src/store/int8_codec.h"
 
 namespace kvbridge::detail {
 namespace {
@@ -48,13 +49,26 @@ Fingerprint to_fingerprint(const std::string& hex) {
 
 std::string fingerprint_string(const Fingerprint& fp) { return std::string(fp.data(), fp.size()); }
 
+int64_t stored_payload_bytes(StorageFormat storage, DType dtype, int64_t layers, int64_t chunk,
+                             int64_t kv_heads, int64_t head_dim) {
+  if (storage == StorageFormat::kInt8) return int8_payload_bytes(layers, chunk, kv_heads, head_dim);
+  uint64_t bytes = 2 * static_cast<uint64_t>(dtype_size(dtype));
+  for (int64_t d : {layers, chunk, kv_heads, head_dim}) {
+    if (d < 1 || bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) /
+                             static_cast<uint64_t>(d))
+      return 0;
+    bytes *= static_cast<uint64_t>(d);
+  }
+  return static_cast<int64_t>(bytes);
+}
+
 void encode_entry_prefix(const EntryHeader& h, const uint32_t* tokens, unsigned char* out) {
   std::memset(out, 0, kEntryHeaderBytes);
   std::memcpy(out, kMagic, 8);
   put_u32(out + 8, kEntryFormatVersion);
   put_u32(out + 12, static_cast<uint32_t>(kEntryHeaderBytes));
   put_u32(out + 16, static_cast<uint32_t>(h.dtype));
-  put_u32(out + 20, 0);  // flags
+  put_u32(out + 20, static_cast<uint32_t>(h.storage));
   put_u64(out + 24, static_cast<uint64_t>(h.layers));
   put_u64(out + 32, static_cast<uint64_t>(h.chunk));
   put_u64(out + 40, static_cast<uint64_t>(h.kv_heads));
@@ -95,11 +109,14 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
   const uint32_t dtype = get_u32(in + 16);
   KVB_CHECK_AS(Corrupt, dtype <= static_cast<uint32_t>(DType::kFloat16),
                "entry: unknown dtype code " << dtype);
-  KVB_CHECK_AS(Corrupt, get_u32(in + 20) == 0, "entry: unknown flags " << get_u32(in + 20));
+  const uint32_t storage = get_u32(in + 20);
+  KVB_CHECK_AS(Corrupt, storage <= static_cast<uint32_t>(StorageFormat::kInt8),
+               "entry: unknown storage format " << storage);
   for (size_t off = 152; off < kEntryHeaderBytes; ++off)
     KVB_CHECK_AS(Corrupt, in[off] == 0, "entry: reserved header byte " << off << " is not zero");
   EntryHeader h;
   h.dtype = static_cast<DType>(dtype);
+  h.storage = static_cast<StorageFormat>(storage);
   int64_t* dims[] = {&h.layers, &h.chunk, &h.kv_heads, &h.head_dim};
   for (int i = 0; i < 4; ++i) {
     const uint64_t v = get_u64(in + 24 + 8 * i);
@@ -107,17 +124,11 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
                  "entry: dimension " << i << " is " << v);
     *dims[i] = static_cast<int64_t>(v);
   }
-  // Each factor is <= 2^24, so the product of payload elements needs a checked multiply.
-  uint64_t elements = 2 * static_cast<uint64_t>(dtype_size(h.dtype));
-  for (int64_t d : {h.layers, h.chunk, h.kv_heads, h.head_dim}) {
-    KVB_CHECK_AS(Corrupt,
-                 elements <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) /
-                                 static_cast<uint64_t>(d),
-                 "entry: payload size overflows");
-    elements *= static_cast<uint64_t>(d);
-  }
+  const int64_t elements =
+      stored_payload_bytes(h.storage, h.dtype, h.layers, h.chunk, h.kv_heads, h.head_dim);
+  KVB_CHECK_AS(Corrupt, elements > 0, "entry: payload size overflows");
   const uint64_t payload = get_u64(in + 56);
-  KVB_CHECK_AS(Corrupt, payload == elements,
+  KVB_CHECK_AS(Corrupt, payload == static_cast<uint64_t>(elements),
                "entry: payload size " << payload << " does not match its geometry (" << elements
                                       << ")");
   h.payload_bytes = static_cast<int64_t>(payload);

@@ -3,7 +3,8 @@
 //
 //   header   160 bytes (magic, version, geometry, created time, key, parent, salt, fingerprint)
 //   tokens   4 * chunk bytes, u32 little-endian
-//   payload  the chunk's KV, [layers, 2, chunk, kv_heads, head_dim] dense, little-endian
+//   payload  the chunk's KV: native storage [layers, 2, chunk, kv_heads, head_dim] dense,
+//            little-endian; int8 storage the scales and codes of src/store/int8_codec.h
 //   trailer  16 bytes: XXH3-128 of everything before it (low64, high64, little-endian)
 #pragma once
 
@@ -13,6 +14,7 @@
 #include <string>
 
 #include "kvbridge/dtype.h"
+#include "kvbridge/kv_store.h"
 #include "kvbridge/prefix_hash.h"
 
 namespace kvbridge::detail {
@@ -29,12 +31,18 @@ std::string fingerprint_string(const Fingerprint& fp);
 /// What an entry's header records.
 struct EntryHeader {
   DType dtype = DType::kFloat32;
+  StorageFormat storage = StorageFormat::kNative;  // header bytes 20..23
   int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
-  int64_t payload_bytes = 0;  // layers * 2 * chunk * kv_heads * head_dim * dtype size
+  int64_t payload_bytes = 0;  // stored_payload_bytes(storage, dtype, layers, chunk, ...)
   int64_t created_ms = 0;
   Hash128 key, parent, salt;
   Fingerprint fingerprint{};
 };
+
+/// Payload bytes of one entry of this geometry: native 2*L*T*H*D*dtype_size, int8 see
+/// int8_codec.h. 0 when the product overflows int64 (or a dimension is < 1).
+int64_t stored_payload_bytes(StorageFormat storage, DType dtype, int64_t layers, int64_t chunk,
+                             int64_t kv_heads, int64_t head_dim);
 
 /// Bytes of header + tokens (the part before the payload).
 inline size_t entry_prefix_bytes(int64_t chunk) {

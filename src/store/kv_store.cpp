@@ -14,9 +14,11 @@
 #include <utility>
 
 #include "kvbridge/error.h"
+#include "src/core/xxh3.h"
 #include "src/store/disk_tier.h"
 #include "src/store/entry_codec.h"
 #include "src/store/eviction_order.h"
+#include "src/store/int8_codec.h"
 #include "src/store/redis_tier.h"
 #include "src/store/tier.h"
 
@@ -128,11 +130,14 @@ struct ChunkEntry {
   Hash128 salt;
   Hash128 parent;
   std::vector<uint32_t> tokens;
-  char* kv = nullptr;  // [layers, 2, chunk, kv_heads, head_dim], dense; kv_size bytes allocated
+  // Native: [layers, 2, chunk, kv_heads, head_dim], dense; int8: int8_codec.h's layout.
+  // kv_size bytes allocated.
+  char* kv = nullptr;
   size_t kv_size = 0;
-  size_t payload_bytes = 0;  // the dense KV bytes (kv_size rounds it up)
+  size_t payload_bytes = 0;  // the stored bytes (kv_size rounds it up)
   int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
   DType dtype = DType::kFloat32;
+  StorageFormat storage = StorageFormat::kNative;
   Fingerprint fp{};
   int64_t created_ms = 0;
   int64_t accounted = 0;
@@ -156,8 +161,17 @@ struct ChunkEntry {
     }
     if (released) accountant->release(released);
   }
-  KVView view() const {
-    return KVView::contiguous(kv, dtype, Device{}, layers, chunk, kv_heads, head_dim);
+  // The one storage dispatch of put() and of Match's copies.
+  void fill_from(const KVView& src) {
+    if (storage == StorageFormat::kInt8) return quantize_int8(src, kv);
+    copy_kv(src, KVView::contiguous(kv, dtype, Device{}, layers, chunk, kv_heads, head_dim));
+  }
+  // Tokens [begin, begin + dst.tokens()) of this chunk into dst (the entry's geometry, dtype).
+  void copy_tokens_to(int64_t begin, const KVView& dst) const {
+    if (storage == StorageFormat::kInt8) return dequantize_int8(kv, chunk, begin, dst);
+    copy_kv(KVView::contiguous(kv, dtype, Device{}, layers, chunk, kv_heads, head_dim)
+                .slice_tokens(begin, dst.tokens()),
+            dst);
   }
   bool same_chunk(const Hash128& s, const Hash128& p, const int64_t* ids) const {
     if (salt != s || parent != p) return false;
@@ -195,6 +209,23 @@ const char* eviction_policy_name(EvictionPolicy policy) noexcept {
   return "unknown";
 }
 
+const char* storage_format_name(StorageFormat format) noexcept {
+  switch (format) {
+    case StorageFormat::kNative:
+      return "native";
+    case StorageFormat::kInt8:
+      return "int8";
+  }
+  return "unknown";
+}
+
+StorageFormat parse_storage_format(const std::string& name) {
+  for (StorageFormat f : {StorageFormat::kNative, StorageFormat::kInt8})
+    if (name == storage_format_name(f)) return f;
+  KVB_CHECK(false, "storage: expected 'native' or 'int8', got '" << name << "'");
+  return StorageFormat::kNative;
+}
+
 EvictionPolicy parse_eviction_policy(const std::string& name) {
   for (EvictionPolicy p : {EvictionPolicy::kLRU, EvictionPolicy::kLFU, EvictionPolicy::kTTL})
     if (name == eviction_policy_name(p)) return p;
@@ -216,8 +247,15 @@ struct Shard {
   EvictionOrder order;
 };
 
-int64_t entry_bytes(const ModelSpec& spec, int64_t chunk) {
-  const size_t payload = static_cast<size_t>(spec.kv_bytes_per_token() * chunk);
+int64_t stored_bytes(const ModelSpec& spec, int64_t chunk, StorageFormat storage) {
+  const int64_t bytes = detail::stored_payload_bytes(storage, spec.dtype, spec.num_layers, chunk,
+                                                     spec.num_kv_heads, spec.head_dim);
+  KVB_CHECK(bytes > 0, "spec: a chunk's KV size overflows");
+  return bytes;
+}
+
+int64_t entry_bytes(const ModelSpec& spec, int64_t chunk, StorageFormat storage) {
+  const size_t payload = static_cast<size_t>(stored_bytes(spec, chunk, storage));
   return static_cast<int64_t>(allocation_size(payload)) + 4 * chunk +
          StoreStats::kEntryOverheadBytes;
 }
@@ -235,9 +273,25 @@ struct Call {
   Hash128 salt;
   Fingerprint fp;
   int64_t chunk;
-  int64_t payload_bytes;
+  int64_t payload_bytes;  // stored bytes of one chunk
   int64_t now_ms;
 };
+
+// h_0 of the store's chains: the prefix salt for native storage; for int8 a salt derived from it,
+// so entries of the two formats never share a key in any tier.
+Hash128 store_salt(std::string_view ns, const ModelSpec& spec, StorageFormat storage) {
+  const Hash128 salt = prefix_salt(ns, spec);
+  if (storage == StorageFormat::kNative) return salt;
+  unsigned char bytes[16];
+  for (int i = 0; i < 8; ++i) {
+    bytes[i] = static_cast<unsigned char>(salt.low >> (8 * i));
+    bytes[8 + i] = static_cast<unsigned char>(salt.high >> (8 * i));
+  }
+  detail::Xxh3Stream s;
+  s.update(bytes, sizeof bytes);
+  s.update("kvbridge-storage-int8", 21);
+  return s.digest();
+}
 
 // The encoded header + tokens and checksum of a chunk, for the lower tiers.
 struct Packed {
@@ -248,6 +302,7 @@ struct Packed {
 Packed pack(const ChunkEntry& e, const Hash128& key) {
   EntryHeader h;
   h.dtype = e.dtype;
+  h.storage = e.storage;
   h.layers = e.layers;
   h.chunk = e.chunk;
   h.kv_heads = e.kv_heads;
@@ -300,17 +355,19 @@ struct KVStore::Impl {
     struct Identity {
       ModelSpec spec;
       std::string ns;
+      StorageFormat storage = StorageFormat::kNative;  // stores of both formats share a thread
       Hash128 salt;
       Fingerprint fp{};
       bool valid = false;
     };
     thread_local Identity last;
-    if (!last.valid || last.ns != ns || last.spec != spec) {
+    if (!last.valid || last.ns != ns || last.storage != options.storage || last.spec != spec) {
       last.valid = false;
       last.spec = spec;
+      last.storage = options.storage;
       last.ns.assign(ns.data(), ns.size());
       last.fp = detail::to_fingerprint(spec.fingerprint());
-      last.salt = prefix_salt(ns, spec);
+      last.salt = store_salt(ns, spec, options.storage);
       last.valid = true;
     }
     return Call{spec,
@@ -318,7 +375,7 @@ struct KVStore::Impl {
                 last.salt,
                 last.fp,
                 options.chunk_tokens,
-                spec.kv_bytes_per_token() * options.chunk_tokens,
+                stored_bytes(spec, options.chunk_tokens, options.storage),
                 clock()};
   }
 
@@ -330,6 +387,7 @@ struct KVStore::Impl {
     w.salt = c.salt;
     w.fingerprint = c.fp;
     w.dtype = c.spec.dtype;
+    w.storage = options.storage;
     w.layers = c.spec.num_layers;
     w.chunk = c.chunk;
     w.kv_heads = c.spec.num_kv_heads;
@@ -424,7 +482,7 @@ struct KVStore::Impl {
   // or nullptr when no room can be made.
   std::shared_ptr<ChunkEntry> new_entry(const Call& c, const Hash128& parent, const int64_t* ids,
                                         int64_t created_ms) {
-    const int64_t bytes = entry_bytes(c.spec, c.chunk);
+    const int64_t bytes = entry_bytes(c.spec, c.chunk, options.storage);
     auto entry = std::make_shared<ChunkEntry>();
     entry->accountant = accountant;
     if (!reserve(bytes)) return nullptr;
@@ -437,6 +495,7 @@ struct KVStore::Impl {
     entry->kv_heads = c.spec.num_kv_heads;
     entry->head_dim = c.spec.head_dim;
     entry->dtype = c.spec.dtype;
+    entry->storage = options.storage;
     entry->fp = c.fp;
     entry->created_ms = created_ms;
     entry->payload_bytes = static_cast<size_t>(c.payload_bytes);
@@ -648,6 +707,8 @@ KVStore::KVStore(const StoreOptions& options) {
   KVB_CHECK(options.ttl_seconds >= 0, "ttl_seconds must be >= 0, got " << options.ttl_seconds);
   KVB_CHECK(options.eviction != EvictionPolicy::kTTL || options.ttl_seconds > 0,
             "eviction 'ttl' needs ttl_seconds > 0");
+  KVB_CHECK(options.storage == StorageFormat::kNative || options.storage == StorageFormat::kInt8,
+            "storage: unknown format " << static_cast<int>(options.storage));
   KVB_CHECK(options.disk_dir.empty() || options.disk_capacity_bytes > 0,
             "disk_capacity_bytes must be > 0, got " << options.disk_capacity_bytes);
   impl_ = std::make_unique<Impl>(options);
@@ -723,7 +784,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
     if (found == Impl::Probe::kAbsent) {
       fresh = m.new_entry(call, parent, ids, call.now_ms);
       if (fresh) {
-        copy_kv(kv.slice_tokens(c * chunk, chunk), fresh->view());
+        fresh->fill_from(kv.slice_tokens(c * chunk, chunk));
         found = m.insert(key, fresh, call.now_ms, &pinned, &inserted);
         if (found == Impl::Probe::kCollision) {
           m.collisions.fetch_add(1, std::memory_order_relaxed);
@@ -753,12 +814,13 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
         transient->kv_heads = spec.num_kv_heads;
         transient->head_dim = spec.head_dim;
         transient->dtype = spec.dtype;
+        transient->storage = m.options.storage;
         transient->fp = call.fp;
         transient->created_ms = call.now_ms;
         transient->payload_bytes = static_cast<size_t>(call.payload_bytes);
         transient->kv_size = allocation_size(transient->payload_bytes);
         transient->kv = allocate_payload(transient->payload_bytes);
-        copy_kv(kv.slice_tokens(c * chunk, chunk), transient->view());
+        transient->fill_from(kv.slice_tokens(c * chunk, chunk));
         source = std::move(transient);
       }
       const bool to_disk = m.disk && !m.disk->contains(key);
@@ -844,7 +906,7 @@ int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view
   Impl& m = *impl_;
   spec.validate();
   const int64_t chunk = m.options.chunk_tokens;
-  const Hash128 salt = prefix_salt(ns, spec);
+  const Hash128 salt = store_salt(ns, spec, m.options.storage);
   const std::vector<Hash128> keys = prefix_hashes(salt, tokens, chunk);
   int64_t removed = 0;
   Hash128 parent = salt;
@@ -1097,8 +1159,7 @@ void Match::copy_range_to(int64_t begin, const KVView& dst) const {
     const int64_t c = pos / chunk_tokens_;
     const int64_t offset = pos - c * chunk_tokens_;
     const int64_t take = std::min(chunk_tokens_ - offset, begin + n - pos);
-    copy_kv(entries_[static_cast<size_t>(c)]->view().slice_tokens(offset, take),
-            dst.slice_tokens(pos - begin, take));
+    entries_[static_cast<size_t>(c)]->copy_tokens_to(offset, dst.slice_tokens(pos - begin, take));
     pos += take;
   }
 }

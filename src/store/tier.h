@@ -37,8 +37,9 @@ struct ExpectedEntry {
   Hash128 key, parent, salt;
   Fingerprint fingerprint{};
   DType dtype = DType::kFloat32;
+  StorageFormat storage = StorageFormat::kNative;
   int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
-  int64_t payload_bytes = 0;
+  int64_t payload_bytes = 0;  // stored bytes (stored_payload_bytes)
   const int64_t* tokens = nullptr;  // chunk ids
   int64_t now_ms = 0;
   int64_t ttl_ms = 0;  // 0: no expiry
@@ -54,7 +55,7 @@ enum class LoadResult {
 /// header cannot belong to this key (counted as corrupt by the caller).
 inline bool header_fits(const EntryHeader& h, const ExpectedEntry& want) {
   return h.key == want.key && h.fingerprint == want.fingerprint && h.dtype == want.dtype &&
-         h.layers == want.layers && h.chunk == want.chunk && h.kv_heads == want.kv_heads &&
+         h.storage == want.storage && h.layers == want.layers && h.chunk == want.chunk && h.kv_heads == want.kv_heads &&
          h.head_dim == want.head_dim && h.payload_bytes == want.payload_bytes;
 }
 

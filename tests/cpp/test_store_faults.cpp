@@ -232,3 +232,61 @@ TEST(StoreFaults, ReadErrorsAreCountedMisses) {
 
 }  // namespace
 }  // namespace kvbridge
+
+namespace kvbridge {
+namespace {
+
+// One flipped byte at each of ~200 offsets (seeded; every region of the entry: header, token
+// ids, payload, and for int8 its key scales, value scales and codes, and the trailer), for both
+// storage formats: every one is a miss counted as corrupt, the file is moved to quarantine (not
+// just deleted: the quarantine grows by one until its cap of 64), and a put restores the entry.
+TEST(StoreFaults, EveryCorruptOffsetIsACountedMissMovedAside) {
+  const ModelSpec spec = testing::small_spec(DType::kBFloat16, 2, 3, 10);
+  constexpr int64_t kChunk = 12;
+  for (StorageFormat storage : {StorageFormat::kNative, StorageFormat::kInt8}) {
+    TempDir dir;
+    StoreOptions o = helper_disk_options(dir.path);
+    o.chunk_tokens = kChunk;
+    o.storage = storage;
+    KVStore store(o);
+    const auto tokens = testing::random_tokens(kChunk, 15);
+    testing::HFKV raw(spec, kChunk, 2, 16);
+    // Finite bfloat16 values (int8 rejects NaN / inf): small integers times 1/8.
+    for (auto& plane : raw.storage)
+      for (size_t i = 0; i + 1 < plane.size(); i += 2) {
+        plane[i] = 0;
+        plane[i + 1] = static_cast<unsigned char>(0x3c + (plane[i + 1] & 0x3));
+      }
+    const KVView kv = raw.view();
+    ASSERT_EQ(store.put(spec, tokens, kv), kChunk);
+    const std::string path = testing::files_with_suffix(
+        dir.path + "/kvbridge-v1/" + spec.fingerprint(), ".kvb").at(0);
+    const std::string quarantine = dir.path + "/kvbridge-v1/quarantine";
+    const std::vector<unsigned char> good = read_file(path);
+    ASSERT_GT(good.size(), 160u + 4 * kChunk + 16);
+    std::mt19937_64 rng(storage == StorageFormat::kInt8 ? 23 : 22);
+    std::vector<size_t> offsets;
+    for (size_t off = 0; off < good.size(); off += good.size() / 97) offsets.push_back(off);
+    for (int i = 0; i < 100; ++i) offsets.push_back(rng() % good.size());
+    offsets.push_back(good.size() - 1);
+    for (size_t n = 0; n < offsets.size(); ++n) {
+      std::vector<unsigned char> bad = good;
+      bad[offsets[n]] ^= static_cast<unsigned char>(1 + rng() % 255);
+      store.clear(kMemoryTier);
+      write_file(path, bad);
+      const int64_t corrupt = store.stats().disk.corrupt;
+      ASSERT_EQ(store.match(spec, tokens).tokens(), 0) << "offset " << offsets[n];
+      EXPECT_EQ(store.stats().disk.corrupt, corrupt + 1) << "offset " << offsets[n];
+      EXPECT_FALSE(std::filesystem::exists(path));
+      EXPECT_EQ(testing::files_with_suffix(quarantine, "").size(), std::min<size_t>(n + 1, 64));
+      ASSERT_EQ(store.put(spec, tokens, kv), kChunk);
+    }
+    store.clear(kMemoryTier);
+    Match m = store.match(spec, tokens);
+    ASSERT_EQ(m.tokens(), kChunk);
+    EXPECT_EQ(store.stats().disk.hit_chunks, 1);
+  }
+}
+
+}  // namespace
+}  // namespace kvbridge

@@ -77,6 +77,7 @@ TEST(KVStoreStress, EightThreadsEveryHitExact) {
 }  // namespace kvbridge
 
 #include "process_util.h"
+#include "src/store/int8_codec.h"
 
 namespace kvbridge {
 namespace {
@@ -85,7 +86,8 @@ namespace {
 // memory holds a fraction of the working set, with the disk and (when redis-server exists)
 // Redis tiers: hits come from every tier, promotions and evictions race, and every hit must
 // be byte-exact. Also the ThreadSanitizer target for the tiers (see docs/storage.md).
-TEST(KVStoreStress, AllTiersEveryHitExact) {
+// With int8 storage every hit must equal the chunk-by-chunk decode of what was put.
+void all_tiers_stress(StorageFormat storage) {
   const ModelSpec spec = testing::small_spec(DType::kBFloat16, 2, 2, 8);
   testing::TempDir dir;
   testing::RedisServer redis;
@@ -96,6 +98,7 @@ TEST(KVStoreStress, AllTiersEveryHitExact) {
   const int64_t entry =
       spec.kv_bytes_per_token() * kChunk + 4 * kChunk + StoreStats::kEntryOverheadBytes;
   o.capacity_bytes = 24 * entry;
+  o.storage = storage;
   o.disk_dir = dir.path;
   o.disk_fsync = false;
   o.disk_capacity_bytes = 60 * 4096;  // about half the working set on disk
@@ -106,11 +109,29 @@ TEST(KVStoreStress, AllTiersEveryHitExact) {
   KVStore store(o);
 
   std::vector<std::vector<int64_t>> prompts(kPrompts);
-  std::vector<std::unique_ptr<testing::DenseKV>> kvs;
+  std::vector<std::unique_ptr<testing::DenseKV>> kvs, expect;
   for (int p = 0; p < kPrompts; ++p) {
     prompts[p] = testing::random_tokens(kChunk * (1 + p % 4), 7000 + p);
     kvs.push_back(std::make_unique<testing::DenseKV>(
         spec, static_cast<int64_t>(prompts[p].size()), 7000 + p));
+    expect.push_back(std::make_unique<testing::DenseKV>(
+        spec, static_cast<int64_t>(prompts[p].size()), 7000 + p));
+    if (storage == StorageFormat::kInt8) {
+      // Finite bfloat16 (int8 storage rejects NaN / inf); expected: each chunk's decode.
+      auto& bytes = kvs.back()->bytes;
+      for (size_t i = 1; i < bytes.size(); i += 2) bytes[i] = 0x3c | (bytes[i] & 0x83);
+      const KVView& v = kvs.back()->view;
+      std::vector<float> payload(
+          static_cast<size_t>(detail::int8_payload_bytes(2, kChunk, 2, 8)) / 4 + 1);
+      char* buf = reinterpret_cast<char*>(payload.data());
+      for (int64_t c = 0; c * kChunk < v.tokens(); ++c) {
+        detail::quantize_int8(v.slice_tokens(c * kChunk, kChunk), buf);
+        detail::dequantize_int8(buf, kChunk, 0,
+                                expect.back()->view.slice_tokens(c * kChunk, kChunk));
+      }
+    } else {
+      expect.back()->bytes = kvs.back()->bytes;
+    }
   }
   std::atomic<int64_t> bad{0}, hits{0};
   std::vector<std::thread> threads;
@@ -128,7 +149,7 @@ TEST(KVStoreStress, AllTiersEveryHitExact) {
           hits.fetch_add(1);
           testing::DenseKV out(spec, m.tokens(), 7);
           m.copy_to(out.view);
-          if (!testing::same_elements(out.view, kvs[p]->view.slice_tokens(0, m.tokens())))
+          if (!testing::same_elements(out.view, expect[p]->view.slice_tokens(0, m.tokens())))
             bad.fetch_add(1);
         } else if (kind < 18) {
           store.erase(spec, prompts[p], "default", kMemoryTier);
@@ -158,6 +179,12 @@ TEST(KVStoreStress, AllTiersEveryHitExact) {
   } else {
     std::printf("redis-server not installed: ran with memory and disk only\n");
   }
+}
+
+TEST(KVStoreStress, AllTiersEveryHitExact) { all_tiers_stress(StorageFormat::kNative); }
+
+TEST(KVStoreStress, AllTiersInt8EveryHitIsTheDecodedChunk) {
+  all_tiers_stress(StorageFormat::kInt8);
 }
 
 }  // namespace

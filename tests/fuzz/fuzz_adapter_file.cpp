@@ -1,0 +1,32 @@
+// libFuzzer target: adapter files (src/adapter/adapter_file.cpp: safetensors plus JSON metadata
+// with both ModelSpecs, the layer map and the fit report). Each input is written to a file and
+// loaded; a malformed one must be a kvbridge::Error.
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "kvbridge/adapter.h"
+#include "kvbridge/error.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const std::string path = [] {
+    const char* base = std::getenv("TMPDIR");
+    return std::string(base && *base ? base : "/tmp") + "/kvbridge-fuzz-adapter-" +
+           std::to_string(::getpid()) + ".safetensors";
+  }();
+  FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f) __builtin_trap();
+  if (size && std::fwrite(data, 1, size, f) != size) __builtin_trap();
+  std::fclose(f);
+  try {
+    const kvbridge::LinearAdapter a = kvbridge::LinearAdapter::load(path);
+    (void)a.source();
+  } catch (const kvbridge::Error&) {
+  }
+  std::remove(path.c_str());
+  return 0;
+}

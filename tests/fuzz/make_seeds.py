@@ -1,0 +1,63 @@
+"""Writes the seed corpora of tests/fuzz/corpus/ (valid inputs of each parser) with the
+installed kvbridge package. Run from the repository root: python tests/fuzz/make_seeds.py"""
+import glob
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+
+import kvbridge
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+
+
+def kv(spec, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, spec.dtype)
+    return tuple((torch.randn(1, spec.num_kv_heads, tokens, spec.head_dim, generator=g).to(dtype),
+                  torch.randn(1, spec.num_kv_heads, tokens, spec.head_dim, generator=g).to(dtype))
+                 for _ in range(spec.num_layers))
+
+
+def entries():
+    # The geometry fuzz_disk_entry.cpp looks up: bfloat16, 2 layers, 1 head, dim 4, chunk 4.
+    spec = kvbridge.ModelSpec("fuzz-model", 2, 1, 4, dtype="bfloat16")
+    for storage in ("native", "int8"):
+        with tempfile.TemporaryDirectory() as d:
+            store = kvbridge.KVStore(1 << 20, chunk_tokens=4, disk_dir=d, storage=storage,
+                                     disk_fsync=False)
+            store.put(spec, [11, 22, 33, 44, 55, 66, 77, 88], kv(spec, 8, 1))
+            del store
+            files = sorted(glob.glob(os.path.join(d, "**", "*.kvb"), recursive=True))
+            for i, f in enumerate(files):
+                shutil.copy(f, os.path.join(ROOT, "store_entry", f"{storage}-{i}.kvb"))
+                if storage == "native":
+                    shutil.copy(f, os.path.join(ROOT, "disk_entry", f"{storage}-{i}.kvb"))
+
+
+def safetensors_files():
+    rng = np.random.default_rng(2)
+    save_file({"a": rng.standard_normal((2, 3)).astype(np.float32),
+               "b": rng.integers(0, 9, size=(4,)).astype(np.int32)},
+              os.path.join(ROOT, "safetensors", "two-tensors.safetensors"),
+              metadata={"format": "pt", "k": "v"})
+    save_file({"x": np.zeros((0, 5), dtype=np.float16) + 1},
+              os.path.join(ROOT, "safetensors", "empty-tensor.safetensors"))
+
+
+def adapter_files():
+    src = kvbridge.ModelSpec("fuzz-src", 2, 1, 4, dtype="float32")
+    dst = kvbridge.ModelSpec("fuzz-dst", 1, 1, 4, dtype="float32")
+    fitter = kvbridge.AdapterFitter(src, dst, source_layers="all", ridge=0.1)
+    for seed in range(4):
+        fitter.add(kv(src, 24, 10 + seed), kv(dst, 24, 20 + seed))
+    fitter.fit().save(os.path.join(ROOT, "adapter_file", "two-to-one.safetensors"))
+
+
+if __name__ == "__main__":
+    entries()
+    safetensors_files()
+    adapter_files()
