@@ -261,12 +261,13 @@ struct AdapterFitter::Impl {
   }
 
   void start_final_pass(Plan p) {
-    plan = std::move(p);
-    train.init(plan, layer_features, outputs);
-    held.init(plan, layer_features, outputs);
+    // The probe's accumulators go first, so the two passes' never coexist.
     probe_train = ProbeMoments();
     probe_held = ProbeMoments();
     sketch = MatD();
+    plan = std::move(p);
+    train.init(plan, layer_features, outputs);
+    held.init(plan, layer_features, outputs);
     tokens_seen = 0;
   }
 
