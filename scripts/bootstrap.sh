@@ -11,6 +11,8 @@ DEB_PACKAGES=(g++ libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev libei
   nlohmann-json3-dev libhiredis-dev libssl-dev redis-server fortunes)
 PIP_PACKAGES=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "xxhash>=3" "safetensors>=0.4"
   "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja tqdm)
+# the testbed models, their evaluation (kvbridge.eval writes a plot) and the demo
+PIP_PACKAGES+=("transformers>=5" matplotlib)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
