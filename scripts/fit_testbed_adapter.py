@@ -8,9 +8,14 @@ fingerprint, and kvbridge.eval.load_adapter (used by the demo and `kvbridge eval
 refuses an adapter whose fingerprints differ from the loaded models'.
 """
 import argparse
+import pathlib
 
 from kvbridge import eval as kv_eval
 from kvbridge import testbed
+
+
+SHIPPED = (pathlib.Path(__file__).resolve().parents[1] / "python" / "kvbridge" / "testbed"
+           / "adapters" / "testbed-a_to_testbed-b.safetensors")
 
 
 def main():
@@ -18,9 +23,9 @@ def main():
     p.add_argument("--windows", type=int, default=kv_eval.EvalConfig.train_windows,
                    help="training windows of testbed.MAX_CONTEXT tokens")
     p.add_argument("--variant", choices=list(kv_eval.VARIANTS), default="rope_auto")
-    p.add_argument("--out", default=kv_eval.DEFAULT_ADAPTER,
-                   help="where to write it (default: the package's shipped adapter path; run "
-                   "from an editable checkout or pass the source tree's path)")
+    p.add_argument("--out", default=str(SHIPPED),
+                   help="where to write it (default: the source tree's shipped adapter; "
+                   "reinstall the package afterwards)")
     args = p.parse_args()
     pair = testbed.load_pair()
     adapter = kv_eval.fit_default(pair, args.out, windows=args.windows, variant=args.variant)

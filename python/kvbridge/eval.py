@@ -3,10 +3,11 @@
 Run as ``python -m kvbridge.eval`` or ``kvbridge eval`` (``--help`` lists the options).
 
 Data. Texts are the testbed's fortunes splits: the adapters are fitted on ``texts("train")``
-and every metric is measured on ``texts("heldout")``. Texts are tokenized one by one (each
-starts with BOS) and packed into windows of ``window_tokens`` (at most ``testbed.MAX_CONTEXT``,
-the length the models were trained on): a window starts at a text's BOS and takes the
-following texts until it is full, the last one cut; the next window starts at the next text.
+and every metric is measured on ``texts("heldout")``. Texts are tokenized one by one as
+``BOS text EOS`` (the models' training format) and packed into windows of ``window_tokens`` (at
+most ``testbed.MAX_CONTEXT``, the length the models were trained on): a window starts at a
+text's BOS and takes the following texts until it is full, the last one cut; the next window
+starts at the next text.
 
 Fitting. Both models prefill each training window (one forward, positions 0..W-1) and the
 paired KV of every window is streamed into one ``kvbridge.AdapterFitter`` per variant:
@@ -132,7 +133,8 @@ def testbed_module(data: Any = None) -> Any:
 def text_windows(pair: Any, split: str, length: int, count: Optional[int],
                  data: Any = None) -> List[List[int]]:
     texts = testbed_module(data).texts(split)
-    return pack_windows([pair.tokenizer.encode(t) for t in texts], length, count)
+    eos = [pair.tokenizer.eos_id]
+    return pack_windows([pair.tokenizer.encode(t) + eos for t in texts], length, count)
 
 
 # ----------------------------------------------------------------------------- model calls
@@ -566,8 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
     p.add_argument("--adapter", help="evaluate this adapter file (as every variant it is "
                    "given for: only one, named 'loaded') instead of fitting")
-    p.add_argument("--save-adapter", metavar="PATH", nargs="?", const=DEFAULT_ADAPTER,
-                   help="save the best fitted variant here (default: the shipped adapter path)")
+    p.add_argument("--save-adapter", metavar="PATH",
+                   help="save the best fitted variant (highest kept) to this file")
     p.add_argument("--window-tokens", type=int, default=0)
     p.add_argument("--continuation-tokens", type=int, default=0)
     p.add_argument("--train-windows", type=int, default=EvalConfig.train_windows)
