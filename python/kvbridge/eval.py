@@ -39,7 +39,8 @@ exactly, since the computation is then the same.
 TTFT ratio. For each prompt length n (up to ``testbed.MAX_CONTEXT``; a held-out window of n
 tokens): the source prefills the prompt and ``Bridge.save``s it (untimed). Then, alternating,
 in one process: *own*: the target's forward over the n prompt tokens (``use_cache=True``, logits
-of the last position only) and its argmax; *bridge*: ``Bridge.load`` of the prompt for the
+of the last position only) and its argmax; *bridge* (one Bridge per variant, each
+timed; the reported ratio is the best variant's, by kept): ``Bridge.load`` of the prompt for the
 target (store lookup of the source's chunks, conversion of ``n - 1`` tokens through the
 adapter, copy out; ``write_back=False`` so that every repeat converts again), the target's
 forward of the last prompt token on that cache, and its argmax. The ratio is
@@ -299,50 +300,58 @@ def load_adapter(path: str, pair: Any) -> kvbridge.LinearAdapter:
 # ----------------------------------------------------------------------------- TTFT
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 @torch.no_grad()
-def measure_ttft(pair: Any, adapter: kvbridge.LinearAdapter, prompts: Sequence[Sequence[int]],
-                 repeats: int = 7, chunk_tokens: int = 16) -> List[Dict[str, Any]]:
-    """Own-prefill vs Bridge TTFT of the target per prompt (see the module docstring)."""
+def measure_ttft(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
+                 prompts: Sequence[Sequence[int]], repeats: int = 7,
+                 chunk_tokens: int = 16) -> Dict[str, List[Dict[str, Any]]]:
+    """Own-prefill vs Bridge TTFT of the target per prompt and adapter (see the module
+    docstring); one Bridge per adapter, the own-prefill timings shared. Returns rows by name."""
     src, tgt = pair.source, pair.target
-    store = kvbridge.KVStore(capacity_bytes=1 << 30, chunk_tokens=chunk_tokens)
-    bridge = kvbridge.Bridge(store, min_quality=float("-inf"), write_back=False)
-    bridge.add_adapter(adapter)
-    rows = []
+    bridges = {}
+    for name, adapter in adapters.items():
+        store = kvbridge.KVStore(capacity_bytes=1 << 30, chunk_tokens=chunk_tokens)
+        bridges[name] = kvbridge.Bridge(store, min_quality=float("-inf"), write_back=False)
+        bridges[name].add_adapter(adapter)
+    rows: Dict[str, List[Dict[str, Any]]] = {name: [] for name in adapters}
     for prompt in prompts:
         prompt = list(prompt)
-        bridge.save(src.spec, prompt, prefix_kv(src.model, prompt))
+        src_kv = prefix_kv(src.model, prompt)
+        for bridge in bridges.values():
+            bridge.save(src.spec, prompt, src_kv)
         out: Dict[str, Any] = {}
 
         def own():
             logits, _ = forward(tgt.model, prompt, logits_to_keep=1)
             out["own"] = int(logits[-1].argmax())
 
-        def via_bridge():
-            load = bridge.load(tgt.spec, prompt)
+        def via_bridge(name):
+            load = bridges[name].load(tgt.spec, prompt)
             logits, _ = forward(tgt.model, prompt[load.tokens:], load.kv, logits_to_keep=1)
-            out["bridge"] = int(logits[-1].argmax())
-            out["load"] = load
+            out[name] = (int(logits[-1].argmax()), load)
 
-        own(), via_bridge()  # warm-up
-        own_times, bridge_times = [], []
-        for _ in range(repeats):  # alternate, so drifts in machine load hit both paths alike
-            own_times.append(_median_seconds(own, 1))
-            bridge_times.append(_median_seconds(via_bridge, 1))
-        load = out["load"]
-        t_own, t_bridge = statistics.median(own_times), statistics.median(bridge_times)
-        rows.append({"prompt_tokens": len(prompt), "loaded_tokens": int(load.tokens),
-                     "converted": bool(load.converted), "own_ms": 1e3 * t_own,
-                     "bridge_ms": 1e3 * t_bridge, "ratio": t_own / t_bridge,
-                     "same_first_token": out["own"] == out["bridge"]})
+        own()  # warm-up
+        for name in bridges:
+            via_bridge(name)
+        own_times: List[float] = []
+        bridge_times: Dict[str, List[float]] = {name: [] for name in bridges}
+        for _ in range(repeats):  # alternate, so drifts in machine load hit every path alike
+            own_times.append(_seconds(own))
+            for name in bridges:
+                bridge_times[name].append(_seconds(lambda: via_bridge(name)))
+        t_own = statistics.median(own_times)
+        for name in bridges:
+            token, load = out[name]
+            t_bridge = statistics.median(bridge_times[name])
+            rows[name].append({"prompt_tokens": len(prompt), "loaded_tokens": int(load.tokens),
+                               "converted": bool(load.converted), "own_ms": 1e3 * t_own,
+                               "bridge_ms": 1e3 * t_bridge, "ratio": t_own / t_bridge,
+                               "same_first_token": out["own"] == token})
     return rows
 
 
@@ -427,7 +436,7 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
     if not ttft_texts:
         raise ValueError("held-out text too short for the longest TTFT prompt")
     t2 = time.perf_counter()
-    ttft = measure_ttft(pair, adapters[best], [ttft_texts[0][:n] for n in lengths],
+    ttft = measure_ttft(pair, adapters, [ttft_texts[0][:n] for n in lengths],
                         repeats=config.ttft_repeats, chunk_tokens=config.chunk_tokens)
     timings["ttft_seconds"] = time.perf_counter() - t2
     fitted = mean_source_layers(adapters[best])
@@ -444,7 +453,8 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
         "windows": {"train": train_windows, "heldout": len(heldout)},
         "variants": variants,
         "best_variant": best,
-        "ttft": {"variant": best, "rows": ttft, "threads": torch.get_num_threads()},
+        "ttft": {"variant": best, "rows": ttft[best], "threads": torch.get_num_threads(),
+                 "by_variant": ttft},
         "projection": {"shape": LLAMA3_8B, "fitted_source_layers_per_target": fitted,
                        "by_source_layers": {f"{k:g}": flop_projection(proj_lengths, k)
                                             for k in proj_sizes}},
@@ -535,6 +545,15 @@ def format_table(results: Dict[str, Any]) -> str:
         lines.append(f"| {r['prompt_tokens']} | {r['own_ms']:.2f} | {r['bridge_ms']:.2f} | "
                      f"{r['ratio']:.2f}x | {r['loaded_tokens']} | "
                      f"{'yes' if r['same_first_token'] else 'no'} |")
+    lines.append("")
+    by = t["by_variant"]
+    lines.append("TTFT ratio by variant (the same own-prefill timings):")
+    lines.append("")
+    lines.append("| prompt tokens | " + " | ".join(by) + " |")
+    lines.append("|---:|" + "---:|" * len(by))
+    for i, r in enumerate(t["rows"]):
+        lines.append(f"| {r['prompt_tokens']} | "
+                     + " | ".join(f"{rows[i]['ratio']:.2f}x" for rows in by.values()) + " |")
     lines.append("")
     p = results["projection"]
     sizes = list(p["by_source_layers"])

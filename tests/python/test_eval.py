@@ -152,6 +152,8 @@ def test_smoke_run_results(tmp_path, monkeypatch):
     for r in rows:
         assert r["loaded_tokens"] == r["prompt_tokens"] - 1 and r["converted"]
         assert r["ratio"] == pytest.approx(r["own_ms"] / r["bridge_ms"])
+    assert data["ttft"]["rows"] == data["ttft"]["by_variant"][data["best_variant"]]
+    assert set(data["ttft"]["by_variant"]) == set(data["variants"])
     assert set(data["projection"]["by_source_layers"]) >= {"1", "8", "32"}
     saved = kvbridge.LinearAdapter.load(str(tmp_path / "saved.safetensors"))
     assert saved.report["layers"][0]["source_layers"] == \
