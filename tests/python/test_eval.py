@@ -165,3 +165,16 @@ def test_too_long_window_is_refused(pair):
     with pytest.raises(ValueError, match="MAX_CONTEXT"):
         ev.evaluate(pair, ev.EvalConfig(window_tokens=tiny_testbed.MAX_CONTEXT + 1),
                     data=tiny_testbed)
+
+
+def test_cli_dispatch(capsys):
+    from kvbridge import cli
+
+    assert cli.main([]) == 2
+    assert cli.main(["--help"]) == 0
+    assert "eval" in capsys.readouterr().out
+    for command in ("eval", "demo"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([command, "--help"])
+        assert exit_info.value.code == 0
+        assert f"kvbridge {command}" in capsys.readouterr().out
