@@ -63,6 +63,8 @@ def cache_layers(cache: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
             raise ValueError(f"kv: layer {i} of the cache holds no [batch, heads, tokens, "
                              "head_dim] keys and values (empty or not initialized)")
         pairs.append((keys, values))
+    if not pairs:
+        raise ValueError("kv: the cache has no layers (nothing was cached yet)")
     return pairs
 
 

@@ -224,22 +224,34 @@ def prefill(model: Union[TestbedModel, Any], input_ids: torch.Tensor) -> Tuple[t
 
 @torch.no_grad()
 def sequence_loss(model: Union[TestbedModel, Any], texts_: Sequence[str],
-                  tokenizer: Optional[ByteTokenizer] = None) -> float:
+                  tokenizer: Optional[ByteTokenizer] = None, batch_size: int = 32) -> float:
     """Mean next-token loss in nats/token (token-weighted) over `texts_`, each encoded as
-    BOS text EOS and truncated to MAX_CONTEXT tokens; the measure TRAINING.json records."""
+    BOS text EOS and truncated to MAX_CONTEXT tokens; the measure TRAINING.json records.
+
+    Texts are batched by length and right-padded; causal attention keeps padding from reaching
+    any real position, and padded positions are left out of the loss.
+    """
     hf_model = model.model if isinstance(model, TestbedModel) else model
     tok = tokenizer or load_tokenizer()
-    total, count = 0.0, 0
-    for text in texts_:
-        ids = tok.encode(text, add_bos=True, add_eos=True)[:MAX_CONTEXT]
-        if len(ids) < 2:
-            continue
-        x = torch.tensor([ids])
-        logits = hf_model(x, use_cache=False).logits[0, :-1].double()
-        total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
-        count += len(ids) - 1
-    if count == 0:
+    seqs = [ids for ids in (tok.encode(t, add_eos=True)[:MAX_CONTEXT] for t in texts_)
+            if len(ids) >= 2]
+    if not seqs:
         raise ValueError("sequence_loss: no text with at least two tokens")
+    seqs.sort(key=len)
+    total, count = 0.0, 0
+    for start in range(0, len(seqs), batch_size):
+        group = seqs[start:start + batch_size]
+        width = len(group[-1])
+        x = torch.full((len(group), width), tok.pad_id, dtype=torch.long)
+        for row, ids in enumerate(group):
+            x[row, :len(ids)] = torch.tensor(ids)
+        logits = hf_model(x, use_cache=False).logits[:, :-1].double()
+        targets = x[:, 1:].clone()
+        targets[targets == tok.pad_id] = -100
+        total += float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+            reduction="sum"))
+        count += int((targets != -100).sum())
     return total / count
 
 
