@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-quality", type=float, default=0.5, help="Bridge quality gate")
     p.add_argument("--chunk-tokens", type=int, default=16)
     p.add_argument("--show", type=int, default=3, help="continuations printed side by side")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default "
+                   "(see kvbridge.eval.set_threads)")
     return p
 
 
@@ -190,6 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     t_start = time.perf_counter()
     from kvbridge import testbed
 
+    kv_eval.set_threads(args.threads)
+    kv_eval.quiet_model_loading()
     pair = testbed.load_pair()
     window = args.window_tokens or int(testbed.MAX_CONTEXT)
     if window > testbed.MAX_CONTEXT:
@@ -206,6 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         report = run(pair, got["adapter"], windows, args.continuation_tokens, args.generate,
                      chunk_tokens=args.chunk_tokens, min_quality=args.min_quality)
     report["adapter"] = {k: v for k, v in got.items() if k != "adapter"}
+    report["threads"] = torch.get_num_threads()
     print(format_report(report, pair, args.show))
     report["seconds"] = time.perf_counter() - t_start
     print(f"\n(adapter: {report['adapter']['origin']}; {report['seconds']:.1f} s)")

@@ -582,6 +582,24 @@ def fit_default(pair: Any, path: str = DEFAULT_ADAPTER, windows: int = 400,
     return adapter
 
 
+def quiet_model_loading() -> None:
+    """No transformers progress bars while the testbed weights load (they clutter the tables)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
+def set_threads(threads: int) -> None:
+    """torch.set_num_threads(threads) unless 0. torch and kvbridge's native core share one OpenMP
+    runtime, so this sets the threads of both paths being compared. One thread is the default of
+    the commands: the testbed models are tiny, and on a shared CPU more threads make OpenMP's
+    barriers wait on other processes (measured: up to 10x slower prefills at 2 threads)."""
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
@@ -598,6 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=EvalConfig.chunk_tokens)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -612,6 +632,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         ttft_lengths=list(args.ttft_lengths), ttft_repeats=args.ttft_repeats,
                         chunk_tokens=args.chunk_tokens, variants=list(args.variants),
                         seed=args.seed)
+    set_threads(args.threads)
+    quiet_model_loading()
     pair = testbed.load_pair()
     adapters = None
     if args.adapter:
