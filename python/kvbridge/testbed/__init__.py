@@ -40,6 +40,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kvbridge import _core
+from kvbridge._tensors import cache_layers
 
 MODELS_DIR = pathlib.Path(__file__).resolve().parent / "models"
 TOKENIZER_DIR = MODELS_DIR / "tokenizer"
@@ -166,14 +167,16 @@ def model_spec(hf_model: Any, name: str, version: Optional[str] = None,
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     base, scaling = _rope_parameters(cfg)
     if version is None:
-        weights = pathlib.Path(str(getattr(hf_model, "name_or_path", "") or "")) / "model.safetensors"
+        folder = pathlib.Path(str(getattr(hf_model, "name_or_path", "") or ""))
+        weights = folder / "model.safetensors"
         if weights.is_file():
             version = _file_hash(weights)
         else:
             h = hashlib.sha256()
             for key, t in sorted(hf_model.state_dict().items()):
                 h.update(key.encode())
-                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                h.update(data.numpy().tobytes())
             version = h.hexdigest()[:32]
     if tokenizer is None:
         tokenizer = load_tokenizer().id
@@ -203,23 +206,16 @@ def load_pair(models_dir: Union[str, "os.PathLike[str]", None] = None) -> Testbe
                        load_model(TARGET_NAME, models_dir))
 
 
-def legacy_from_cache(cache: Any) -> LegacyKV:
-    """A transformers Cache (``.layers`` with ``.keys``/``.values``) or legacy tuple as a tuple
-    of (key, value) pairs; kvbridge.hf.to_legacy is the public form of this."""
-    if isinstance(cache, (tuple, list)):
-        return tuple((k, v) for k, v in cache)
-    return tuple((layer.keys, layer.values) for layer in cache.layers)
-
-
 @torch.no_grad()
-def prefill(model: Union[TestbedModel, Any], input_ids: torch.Tensor) -> Tuple[torch.Tensor, LegacyKV]:
+def prefill(model: Union[TestbedModel, Any],
+            input_ids: torch.Tensor) -> Tuple[torch.Tensor, LegacyKV]:
     """One forward with use_cache=True: (logits [B, T, vocab], legacy KV tuple, one
     ([B, kv_heads, T, head_dim] key, value) pair per layer)."""
     hf_model = model.model if isinstance(model, TestbedModel) else model
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("prefill: input_ids must be a [batch, tokens] LongTensor")
     out = hf_model(input_ids, use_cache=True)
-    return out.logits, legacy_from_cache(out.cache)
+    return out.logits, tuple(cache_layers(out.cache))
 
 
 @torch.no_grad()
