@@ -119,15 +119,18 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
         "ttft_own_ms": t_own, "ttft_bridge_ms": t_bridge, "ttft_ratio": t_own / t_bridge,
         "scored": sums.metrics() if sums.tokens else None,
         "same_generation": sum(r["own_tokens"] == r["bridge_tokens"] for r in rows),
+        "same_first_token": sum(r["own_tokens"][0] == r["bridge_tokens"][0] for r in rows),
         "reload_is_native": (not again.converted) and again.tokens > 0,
         "adapter_quality": kvbridge.Bridge.quality(adapter),
         "bridge_stats": bridge.stats(),
     }
 
 
-def _cell(text: str, width: int) -> str:
+def _cell(text: str, width: int, keep_end: bool = False) -> str:
     text = " ".join(text.split()).replace("|", "/")
-    return text if len(text) <= width else text[: width - 1] + "…"
+    if len(text) <= width:
+        return text
+    return "…" + text[-(width - 1):] if keep_end else text[: width - 1] + "…"
 
 
 def format_report(report: Dict[str, Any], pair: Any, shown: int = 3) -> str:
@@ -151,7 +154,8 @@ def format_report(report: Dict[str, Any], pair: Any, shown: int = 3) -> str:
                      f"{s['loss_conv']:.3f}, L_none {s['loss_none']:.3f} nats/token)")
     else:
         lines.append("kept / agreement: no prompt was loaded in full (see the table)")
-    lines.append(f"identical greedy continuations: {report['same_generation']} of "
+    lines.append(f"same first token: {report['same_first_token']} of {report['prompts']}; "
+                 f"identical greedy continuations: {report['same_generation']} of "
                  f"{report['prompts']}; second load of a prompt is a native hit: "
                  f"{'yes' if report['reload_is_native'] else 'no'}")
     lines.append(f"bridge: {st['loads']} loads, {st['converted_hits']} converted, "
@@ -163,7 +167,7 @@ def format_report(report: Dict[str, Any], pair: Any, shown: int = 3) -> str:
                  f"{pair.target.name}, from {pair.source.name}'s cache |")
     lines.append("|---|---|---|")
     for r in report["rows"][:shown]:
-        lines.append(f"| {_cell(r['prompt_tail'], 40)} | {_cell(r['own_text'], 40)} | "
+        lines.append(f"| {_cell(r['prompt_tail'], 40, keep_end=True)} | {_cell(r['own_text'], 40)} | "
                      f"{_cell(r['bridge_text'], 40)} |")
     return "\n".join(lines)
 

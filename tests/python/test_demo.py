@@ -34,6 +34,8 @@ def test_demo_main_report(tmp_path, monkeypatch, capsys):
     assert report["scored"]["tokens"] == 3 * 8
     assert report["same_generation"] == sum(r["own_tokens"] == r["bridge_tokens"]
                                             for r in report["rows"])
+    assert report["same_first_token"] == sum(r["own_tokens"][0] == r["bridge_tokens"][0]
+                                             for r in report["rows"])
     assert "TTFT own ms" in printed.out and "kept" in printed.out
 
 
@@ -71,3 +73,13 @@ def test_bridge_conversion_matches_direct_convert(monkeypatch):
     for (k, v), (dk, dv) in zip(load.kv, direct):
         torch.testing.assert_close(k, dk, atol=0, rtol=0)
         torch.testing.assert_close(v, dv, atol=0, rtol=0)
+
+
+def test_shipped_adapter_fits_the_shipped_weights():
+    # Fails whenever the testbed weights change without a refit of the shipped adapter
+    # (python -m kvbridge.eval --save-adapter ..., or scripts/fit_testbed_adapter.py).
+    testbed = pytest.importorskip("kvbridge.testbed")
+    pair = testbed.load_pair()
+    adapter = ev.load_adapter(ev.DEFAULT_ADAPTER, pair)
+    assert adapter.source.name == "testbed-a" and adapter.target.name == "testbed-b"
+    assert kvbridge.Bridge.quality(adapter) > 0.5
