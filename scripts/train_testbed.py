@@ -138,9 +138,12 @@ def main(argv=None):
 
     record_path = args.out / "TRAINING.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    command = "python " + " ".join(shlex.quote(a) for a in
+                                   ["scripts/train_testbed.py", *(argv or sys.argv[1:])])
+    if not args.only:
+        record["command"] = command
     record.update({
-        "command": "python " + " ".join(shlex.quote(a) for a in
-                                        ["scripts/train_testbed.py", *(argv or sys.argv[1:])]),
+        "commands": "each model's entry names the command that trained it",
         "threads": args.threads, "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "python": platform.python_version(), "machine": platform.machine(),
@@ -177,6 +180,7 @@ def main(argv=None):
         info["weights_bytes"] = (args.out / name / "model.safetensors").stat().st_size
         info["version"] = tm.spec.version
         info["class"] = type(tm.model).__name__
+        info["command"] = command
         print(f"{name}: {json.dumps(info)}", flush=True)
         record["models"][name] = info
         record_path.write_text(json.dumps(record, indent=2) + "\n")

@@ -160,5 +160,6 @@ def test_converted_cache_drives_target_generate(pair):
     conv_logits = conv.logits[0]
     agreement = (own.argmax(-1) == conv_logits.argmax(-1)).double().mean().item()
     conv_loss = torch.nn.functional.cross_entropy(conv_logits, x[0, prefix + 1:]).item()
+    print(f"converted-cache agreement {agreement:.3f}, loss {conv_loss:.3f} nats/token")
     assert agreement >= 0.5, agreement
     assert conv_loss < 0.75 * torch.log(torch.tensor(float(tok.vocab_size))).item(), conv_loss
