@@ -26,7 +26,11 @@ def main():
     p.add_argument("--out", default=str(SHIPPED),
                    help="where to write it (default: the source tree's shipped adapter; "
                    "reinstall the package afterwards)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch and native threads (see kvbridge.eval.set_threads); 0: default")
     args = p.parse_args()
+    kv_eval.set_threads(args.threads)
+    kv_eval.quiet_model_loading()
     pair = testbed.load_pair()
     adapter = kv_eval.fit_default(pair, args.out, windows=args.windows, variant=args.variant)
     r2 = kv_eval.layer_r2(adapter)

@@ -29,7 +29,7 @@ a prefix cache covers ``w[0..P-1)`` and the target runs ``w[P-1..W-1)`` on top o
   stands in for the prompt and predicts ``w[P]``.
 
 Each L is the mean cross-entropy (nats/token) over all continuation tokens of all held-out
-windows (pooled, not a mean of per-window ratios). Then, as docs define them,
+windows (pooled, not a mean of per-window ratios). Then
 ``kept = (L_none - L_conv) / (L_none - L_own)`` and ``agreement`` = the share of those
 continuation positions where the target's argmax next token with the converted cache equals
 the one with its own cache (teacher forced: both see the true continuation tokens).
@@ -44,7 +44,8 @@ timed; the reported ratio is the best variant's, by kept): ``Bridge.load`` of th
 target (store lookup of the source's chunks, conversion of ``n - 1`` tokens through the
 adapter, copy out; ``write_back=False`` so that every repeat converts again), the target's
 forward of the last prompt token on that cache, and its argmax. The ratio is
-median(own) / median(bridge) over the repeats, after one untimed warm-up of each path.
+median(own) / median(bridge) over the repeats, after one untimed warm-up of each path. Both
+paths run with the same threads (``--threads``, default 1; see set_threads).
 
 FLOP projection (printed with the measurement): for a Llama-3-8B-sized source and target
 (32 layers, hidden 4096, 32 query heads, 8 KV heads x 128, MLP 14336, vocab 128256), with
@@ -536,7 +537,7 @@ def format_table(results: Dict[str, Any]) -> str:
                      f"{mean(v['r2_key']):.3f} | {mean(v['r2_value']):.3f} | {per:.2f} |")
     lines.append("")
     t = results["ttft"]
-    lines.append(f"TTFT of {m['target']['name']} ({t['variant']} adapter, {t['threads']} threads, "
+    lines.append(f"TTFT of {m['target']['name']} ({t['variant']} adapter, threads: {t['threads']}, "
                  f"median of {results['config']['ttft_repeats']}):")
     lines.append("")
     lines.append("| prompt tokens | own prefill ms | kvbridge ms | ratio | loaded | same 1st token |")
