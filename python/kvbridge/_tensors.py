@@ -1,4 +1,5 @@
-"""Turning user objects (token sequences, torch KV tuples) into the native core's views.
+"""Turning user objects (token sequences, torch KV tuples, transformers caches) into the native
+core's views.
 
 Views are zero-copy: the core reads the tensors' memory through their data pointers and strides,
 so the tensors must stay alive for the call, which the callers here guarantee by holding them.
@@ -42,10 +43,46 @@ def tensor_view(t: torch.Tensor) -> _core.TensorView:
                             t.device.type, t.device.index or 0)
 
 
+def is_cache_object(kv: Any) -> bool:
+    """True for a transformers Cache (anything with ``.layers``), as opposed to a legacy tuple."""
+    return not isinstance(kv, (tuple, list, torch.Tensor)) and hasattr(kv, "layers")
+
+
+def cache_layers(cache: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """The (keys, values) of each layer of a transformers Cache (e.g. DynamicCache), by duck
+    typing so that transformers stays an optional import. Only full-attention layers holding
+    every token qualify: sliding-window layers keep only the last window and are refused."""
+    pairs = []
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            raise ValueError(f"kv: layer {i} of the cache is a sliding-window layer; only caches "
+                             "that hold every token (DynamicLayer) are supported")
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or (
+                not getattr(layer, "is_initialized", True)) or keys.dim() != 4:
+            raise ValueError(f"kv: layer {i} of the cache holds no [batch, heads, tokens, "
+                             "head_dim] keys and values (empty or not initialized)")
+        pairs.append((keys, values))
+    if not pairs:
+        raise ValueError("kv: the cache has no layers (nothing was cached yet)")
+    return pairs
+
+
+def legacy_to_cache(kv: KVCache) -> Any:
+    """A legacy tuple as a transformers DynamicCache (needs transformers)."""
+    from kvbridge.hf import to_dynamic_cache
+
+    return to_dynamic_cache(kv)
+
+
 def check_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Checks the container types of a legacy KV tuple; shapes are checked by the core."""
+    """The (key, value) pairs of a legacy KV tuple or of a transformers Cache (the one place
+    where caches are normalized); checks container types, shapes are checked by the core."""
+    if is_cache_object(kv):
+        kv = cache_layers(kv)
     if isinstance(kv, torch.Tensor) or not isinstance(kv, (tuple, list)):
-        raise TypeError(f"kv: expected a tuple of (key, value) pairs per layer, got {type(kv).__name__}")
+        raise TypeError("kv: expected a tuple of (key, value) pairs per layer or a transformers "
+                        f"DynamicCache, got {type(kv).__name__}")
     if len(kv) == 0:
         raise ValueError("kv: expected at least one layer, got none")
     pairs = []

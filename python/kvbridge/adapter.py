@@ -8,7 +8,8 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 import torch
 
 from kvbridge import _core
-from kvbridge._tensors import KVCache, check_kv, empty_kv, host_kv, kv_views
+from kvbridge._tensors import (KVCache, check_kv, empty_kv, host_kv, is_cache_object, kv_views,
+                               legacy_to_cache)
 
 SourceLayers = Union[str, Sequence[Sequence[int]]]
 
@@ -42,14 +43,16 @@ class LinearAdapter:
         return cls(_core.LinearAdapter.load(os.fspath(path)))
 
     def convert(self, source_kv: KVCache, start_pos: int = 0, *,
-                reference: bool = False) -> KVCache:
+                reference: bool = False, as_cache: Optional[bool] = None) -> KVCache:
         """The target model's KV for the same tokens, on the input's device.
 
-        source_kv: legacy tuple of the source model, [1, kv_heads, tokens, head_dim] per tensor,
-            the source spec's dtype, any strides, all on one device, tokens at absolute positions
-            start_pos, start_pos + 1, ...
+        source_kv: legacy tuple of the source model (or a transformers DynamicCache),
+            [1, kv_heads, tokens, head_dim] per tensor, the source spec's dtype, any strides, all
+            on one device, tokens at absolute positions start_pos, start_pos + 1, ...
         reference: compute in float64 on the CPU (slow; for validation); CUDA inputs are copied
             to the host and the result back.
+        as_cache: return a transformers DynamicCache (True) or a legacy tuple (False); default:
+            the form of source_kv.
         Returns fresh tensors of the target spec's dtype on the input's device.
 
         CUDA tensors stay on their device: the conversion runs there (cuBLAS GEMMs with float32
@@ -58,7 +61,12 @@ class LinearAdapter:
         not wait for it. If the native core has no CUDA path (``kvbridge.cuda_device_count()``
         is 0, e.g. a build without CUDA), CUDA tensors go through host copies and the CPU path.
         """
-        pairs = check_kv(source_kv)
+        if as_cache is None:
+            as_cache = is_cache_object(source_kv)
+        out = self._convert(check_kv(source_kv), int(start_pos), reference)
+        return legacy_to_cache(out) if as_cache else out
+
+    def _convert(self, pairs, start_pos: int, reference: bool) -> KVCache:
         device = pairs[0][0].device
         tokens = pairs[0][0].shape[2] if pairs[0][0].dim() == 4 else 0
         if device.type == "cuda" and not reference and _core.cuda_device_count() > 0:
@@ -150,7 +158,8 @@ class AdapterFitter:
         return self._native.candidate_layers()
 
     def add(self, source_kv: KVCache, target_kv: KVCache, start_pos: int = 0) -> None:
-        """Adds both models' KV for the same tokens (legacy tuples, any device and strides)."""
+        """Adds both models' KV for the same tokens (legacy tuples or DynamicCaches, any device
+        and strides)."""
         src, tgt = host_kv(source_kv), host_kv(target_kv)
         sk, sv = kv_views(src)
         tk, tv = kv_views(tgt)

@@ -7,7 +7,8 @@ from typing import Any, List, Optional, Union
 import torch
 
 from kvbridge import _core
-from kvbridge._tensors import KVCache, as_tokens, empty_kv, host_kv, kv_views
+from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
+                               legacy_to_cache)
 from kvbridge.adapter import LinearAdapter
 from kvbridge.store import KVStore
 
@@ -18,7 +19,8 @@ class Load:
 
     tokens: prompt tokens whose KV is returned (0 on a miss, at most len(tokens) - 1: the model
         always computes at least the last prompt token itself).
-    kv: their KV cache (legacy tuple, batch 1, fresh tensors the caller owns), None on a miss.
+    kv: their KV cache (legacy tuple, or a transformers DynamicCache when asked for; batch 1,
+        fresh tensors the caller owns), None on a miss.
     source: name of the model whose cache served it ("" on a miss).
     converted: True when any token was converted through an adapter.
     native_tokens: how many of `tokens` came from the model's own cache.
@@ -93,7 +95,8 @@ class Bridge:
 
     def save(self, spec: _core.ModelSpec, tokens: Any, kv: KVCache,
              namespace: str = "default") -> int:
-        """Stores the model's KV for `tokens` (as KVStore.put); returns the tokens now cached."""
+        """Stores the model's KV for `tokens` (as KVStore.put: a legacy tuple or a DynamicCache);
+        returns the tokens now cached."""
         ids = as_tokens(tokens)
         pairs = host_kv(kv)
         keys, values = kv_views(pairs)
@@ -101,12 +104,12 @@ class Bridge:
 
     def load(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default", *,
              return_kv: bool = True,
-             device: Union[str, torch.device, None] = None) -> Load:
+             device: Union[str, torch.device, None] = None, as_cache: bool = False) -> Load:
         """The longest usable prefix of `tokens` for `spec` (see the class docstring).
 
         Empty and one-token prompts are misses. return_kv=False reports the length only (a
         conversion, if one is needed, still runs and is written back). device: where the returned
-        tensors live (default: CPU).
+        tensors live (default: CPU). as_cache: return the KV as a transformers DynamicCache.
         """
         ids = as_tokens(tokens)
         found = self._native.load(spec, ids, namespace)
@@ -117,6 +120,8 @@ class Bridge:
             found.copy_to(keys, values)
             if device is not None and torch.device(device).type != "cpu":
                 kv = tuple((k.to(device), v.to(device)) for k, v in kv)
+            if as_cache:
+                kv = legacy_to_cache(kv)
         return Load(found.tokens, kv, found.source, found.converted, found.native_tokens,
                     found.quality)
 

@@ -8,7 +8,8 @@ from typing import Any, Iterable, List, Optional, Union
 import torch
 
 from kvbridge import _core
-from kvbridge._tensors import KVCache, as_tokens, empty_kv, host_kv, kv_views
+from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
+                               legacy_to_cache)
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,9 @@ class Match:
     """The longest cached prefix of a lookup.
 
     tokens: its length, a multiple of the store's chunk_tokens (0 on a miss).
-    kv: that prefix's KV cache (legacy tuple form, fresh tensors the caller owns), or None on a
-        miss or when the lookup asked for no KV.
+    kv: that prefix's KV cache (legacy tuple form, or a transformers DynamicCache when the lookup
+        asked for one; fresh tensors the caller owns), or None on a miss or when the lookup asked
+        for no KV.
     """
 
     tokens: int
@@ -107,7 +109,8 @@ class KVStore:
         """Stores the whole chunks of `tokens` with their KV; returns the tokens now cached.
 
         kv: one (key, value) pair per layer, each [1, kv_heads, len(tokens), head_dim] of the
-            spec's dtype, any strides. Tensors on another device are copied to the CPU first.
+            spec's dtype, any strides, or a transformers DynamicCache holding them. Tensors on
+            another device are copied to the CPU first.
         """
         ids = as_tokens(tokens)
         pairs = host_kv(kv)
@@ -116,11 +119,12 @@ class KVStore:
 
     def match(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default", *,
               return_kv: bool = True,
-              device: Union[str, torch.device, None] = None) -> Match:
+              device: Union[str, torch.device, None] = None, as_cache: bool = False) -> Match:
         """The longest cached prefix of `tokens` for (spec, namespace).
 
         return_kv: copy the prefix's KV out (False only reports its length).
         device: where the returned tensors live (default: CPU).
+        as_cache: return the KV as a transformers DynamicCache instead of a legacy tuple.
         """
         ids = as_tokens(tokens)
         found = self._store.match(spec, ids, namespace)
@@ -131,7 +135,7 @@ class KVStore:
         found.copy_to(keys, values)
         if device is not None and torch.device(device).type != "cpu":
             kv = tuple((k.to(device), v.to(device)) for k, v in kv)
-        return Match(found.tokens, kv)
+        return Match(found.tokens, legacy_to_cache(kv) if as_cache else kv)
 
     def erase(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default",
               tiers: Iterable[str] = ("memory", "disk", "redis")) -> int:

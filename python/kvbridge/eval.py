@@ -1,0 +1,659 @@
+"""Evaluation of the testbed-a -> testbed-b adapter: kept, agreement, held-out R², TTFT ratio.
+
+Run as ``python -m kvbridge.eval`` or ``kvbridge eval`` (``--help`` lists the options).
+
+Data. Texts are the testbed's fortunes splits: the adapters are fitted on ``texts("train")``
+and every metric is measured on ``texts("heldout")``. Texts are tokenized one by one as
+``BOS text EOS`` (the models' training format) and packed into windows of ``window_tokens`` (at
+most ``testbed.MAX_CONTEXT``, the length the models were trained on): a window starts at a
+text's BOS and takes the following texts until it is full, the last one cut; the next window
+starts at the next text.
+
+Fitting. Both models prefill each training window (one forward, positions 0..W-1) and the
+paired KV of every window is streamed into one ``kvbridge.AdapterFitter`` per variant:
+
+- ``rope_auto``: RoPE-aware, ``source_layers="auto"`` (the default adapter setting);
+- ``rope_all``:  RoPE-aware, ``source_layers="all"``;
+- ``naive``:     ``rope_aware=False`` (post-RoPE keys mapped as they are), ``"auto"``: an
+  ablation that differs from ``rope_auto`` only in the key handling.
+
+Prefix / continuation split. A held-out window of W tokens ``w[0..W)`` is a prompt of
+``P = W - C`` tokens followed by a continuation of ``C = continuation_tokens`` tokens. The
+target predicts the C continuation tokens ``w[P..W)`` from the logits of positions
+``P-1..W-2``. As on the Bridge path, the target computes at least the last prompt token itself:
+a prefix cache covers ``w[0..P-1)`` and the target runs ``w[P-1..W-1)`` on top of it.
+
+- ``L_own``:  the target's cache from its own prefill of ``w[0..P-1)``;
+- ``L_conv``: the source's cache of ``w[0..P-1)`` (its own prefill) converted by the adapter;
+- ``L_none``: no prefix at all: the target runs ``[BOS] + w[P..W-1)`` from position 0, so BOS
+  stands in for the prompt and predicts ``w[P]``.
+
+Each L is the mean cross-entropy (nats/token) over all continuation tokens of all held-out
+windows (pooled, not a mean of per-window ratios). Then
+``kept = (L_none - L_conv) / (L_none - L_own)`` and ``agreement`` = the share of those
+continuation positions where the target's argmax next token with the converted cache equals
+the one with its own cache (teacher forced: both see the true continuation tokens).
+Feeding the target's own cache in place of the converted one gives kept = agreement = 1
+exactly, since the computation is then the same.
+
+TTFT ratio. For each prompt length n (up to ``testbed.MAX_CONTEXT``; a held-out window of n
+tokens): the source prefills the prompt and ``Bridge.save``s it (untimed). Then, alternating,
+in one process: *own*: the target's forward over the n prompt tokens (``use_cache=True``, logits
+of the last position only) and its argmax; *bridge* (one Bridge per variant, each
+timed; the reported ratio is the best variant's, by kept): ``Bridge.load`` of the prompt for the
+target (store lookup of the source's chunks, conversion of ``n - 1`` tokens through the
+adapter, copy out; ``write_back=False`` so that every repeat converts again), the target's
+forward of the last prompt token on that cache, and its argmax. The ratio is
+median(own) / median(bridge) over the repeats, after one untimed warm-up of each path. Both
+paths run with the same threads (``--threads``, default 1; see set_threads).
+
+FLOP projection (printed with the measurement): for a Llama-3-8B-sized source and target
+(32 layers, hidden 4096, 32 query heads, 8 KV heads x 128, MLP 14336, vocab 128256), with
+N = 32 * (2*4096*4096 + 2*4096*1024 + 3*4096*14336) matmul parameters per token:
+``prefill(T) = 2*N*T + 2*L*4096*T^2 (causal QK^T and AV) + 2*4096*128256 (last-token head)``,
+``convert(T) = T * sum_j 2 * (|S_j| * 2 * 1024) * (2 * 1024)`` (keys and values of |S_j| source
+layers into one target layer's keys and values, per token), and
+``decode(T) = 2*N + 4*L*4096*T + 2*4096*128256`` (one token attending over T), ratio =
+prefill(T) / (convert(T - 1) + decode(T)). |S_j| is taken from the fitted adapter's layer map
+(its mean |S_j|) and shown next to 1, 8 (the most "auto" allows) and 32. It assumes equal
+FLOP efficiency for the three parts; RoPE, bias, the store lookup and the copy of the KV are not
+counted (memory traffic, not FLOPs), and decode of one token is in practice memory bound, so
+the projected ratio is an upper bound.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import kvbridge
+from kvbridge._tensors import KVCache
+
+VARIANTS: Dict[str, Dict[str, Any]] = {
+    "rope_auto": {"rope_aware": True, "source_layers": "auto"},
+    "rope_all": {"rope_aware": True, "source_layers": "all"},
+    "naive": {"rope_aware": False, "source_layers": "auto"},
+}
+
+DEFAULT_ADAPTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed", "adapters",
+                               "testbed-a_to_testbed-b.safetensors")
+
+
+@dataclass
+class EvalConfig:
+    """What an evaluation run does. Window sizes are in tokens; 0 picks the default shown."""
+
+    window_tokens: int = 0          # 0: testbed.MAX_CONTEXT
+    continuation_tokens: int = 0    # 0: window_tokens // 4
+    train_windows: int = 400        # most training windows fed to the fitters
+    heldout_windows: int = 64       # most held-out windows scored
+    ttft_lengths: List[int] = field(default_factory=list)  # []: 4 lengths up to MAX_CONTEXT
+    ttft_repeats: int = 7
+    chunk_tokens: int = 16          # store chunk size on the TTFT path
+    variants: List[str] = field(default_factory=lambda: list(VARIANTS))
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def pack_windows(token_lists: Sequence[Sequence[int]], length: int,
+                 count: Optional[int] = None) -> List[List[int]]:
+    """Windows of exactly `length` tokens, each starting at a text's first token (see module)."""
+    if length < 2:
+        raise ValueError(f"length: expected at least 2 tokens, got {length}")
+    windows: List[List[int]] = []
+    i = 0
+    while i < len(token_lists) and (count is None or len(windows) < count):
+        window: List[int] = []
+        while i < len(token_lists) and len(window) < length:
+            window.extend(token_lists[i])
+            i += 1
+        if len(window) < length:
+            break
+        windows.append(window[:length])
+    return windows
+
+
+def testbed_module(data: Any = None) -> Any:
+    """`data` if given (anything with texts(split) and MAX_CONTEXT), else kvbridge.testbed."""
+    if data is not None:
+        return data
+    from kvbridge import testbed
+
+    return testbed
+
+
+def text_windows(pair: Any, split: str, length: int, count: Optional[int],
+                 data: Any = None) -> List[List[int]]:
+    texts = testbed_module(data).texts(split)
+    eos = [pair.tokenizer.eos_id]
+    return pack_windows([pair.tokenizer.encode(t) + eos for t in texts], length, count)
+
+
+# ----------------------------------------------------------------------------- model calls
+
+
+def as_cache(kv: Optional[KVCache]):
+    """A fresh transformers DynamicCache holding the legacy tuple `kv` (None: empty)."""
+    from transformers import DynamicCache
+
+    return DynamicCache() if kv is None else DynamicCache(kv)
+
+
+def legacy_kv(cache) -> KVCache:
+    return tuple((layer.keys, layer.values) for layer in cache.layers)
+
+
+@torch.no_grad()
+def forward(model, ids: Sequence[int], past: Optional[KVCache] = None,
+            logits_to_keep: int = 0) -> Tuple[torch.Tensor, KVCache]:
+    """Logits [tokens, vocab] (float32) and the new legacy KV of `ids` after the cache `past`
+    (positions continue from past's length). logits_to_keep=k keeps the last k positions only."""
+    x = torch.as_tensor(list(ids), dtype=torch.long).view(1, -1)
+    out = model(x, cache=as_cache(past), use_cache=True, logits_to_keep=logits_to_keep)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    return out.logits[0].float(), legacy_kv(cache)
+
+
+def prefix_kv(model, ids: Sequence[int]) -> KVCache:
+    """The model's own legacy KV of `ids` (one forward from position 0)."""
+    return forward(model, ids, logits_to_keep=1)[1]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+@dataclass
+class Sums:
+    """Pooled continuation statistics; see the module docstring for what each loss means."""
+
+    tokens: int = 0
+    loss_own: float = 0.0
+    loss_conv: float = 0.0
+    loss_none: float = 0.0
+    agree: int = 0
+
+    def add(self, logits_own: torch.Tensor, logits_conv: torch.Tensor,
+            logits_none: torch.Tensor, targets: torch.Tensor) -> None:
+        """Adds one window: logits [C, vocab] of each setting, targets [C] token ids."""
+        if not (logits_own.shape == logits_conv.shape == logits_none.shape
+                and logits_own.shape[0] == targets.shape[0]):
+            raise ValueError("logits and targets disagree in shape: "
+                             f"{tuple(logits_own.shape)}, {tuple(logits_conv.shape)}, "
+                             f"{tuple(logits_none.shape)}, {tuple(targets.shape)}")
+        ce = torch.nn.functional.cross_entropy
+        t = targets.long()
+        self.tokens += int(t.numel())
+        self.loss_own += float(ce(logits_own.double(), t, reduction="sum"))
+        self.loss_conv += float(ce(logits_conv.double(), t, reduction="sum"))
+        self.loss_none += float(ce(logits_none.double(), t, reduction="sum"))
+        self.agree += int((logits_own.argmax(-1) == logits_conv.argmax(-1)).sum())
+
+    def metrics(self) -> Dict[str, float]:
+        if self.tokens == 0:
+            raise ValueError("no continuation tokens were scored")
+        l_own, l_conv = self.loss_own / self.tokens, self.loss_conv / self.tokens
+        l_none = self.loss_none / self.tokens
+        return {"kept": kept(l_none, l_conv, l_own), "agreement": self.agree / self.tokens,
+                "loss_own": l_own, "loss_conv": l_conv, "loss_none": l_none,
+                "tokens": self.tokens}
+
+
+def kept(loss_none: float, loss_conv: float, loss_own: float) -> float:
+    """(L_none - L_conv) / (L_none - L_own); NaN when the prefix does not help (L_own >= L_none)."""
+    benefit = loss_none - loss_own
+    if not benefit > 0:
+        return float("nan")
+    return (loss_none - loss_conv) / benefit
+
+
+def score_windows(target_model, windows: Sequence[Sequence[int]], continuation: int, bos_id: int,
+                  source_kv_of, converters: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
+    """Pooled metrics per converter over the held-out windows.
+
+    source_kv_of(prefix_ids) -> the source's legacy KV of the prefix.
+    converters: name -> callable(source_kv) -> target legacy KV of the same tokens (a
+        LinearAdapter's convert, or anything else that returns the target's layout).
+    """
+    sums = {name: Sums() for name in converters}
+    for w in windows:
+        if len(w) <= continuation + 1:
+            raise ValueError(f"window of {len(w)} tokens is too short for {continuation} "
+                             "continuation tokens")
+        p = len(w) - continuation
+        targets = torch.as_tensor(w[p:], dtype=torch.long)
+        own_kv = prefix_kv(target_model, w[: p - 1])
+        logits_own, _ = forward(target_model, w[p - 1: -1], own_kv)
+        logits_none, _ = forward(target_model, [bos_id] + list(w[p: -1]))
+        src_kv = source_kv_of(w[: p - 1])
+        for name, convert in converters.items():
+            logits_conv, _ = forward(target_model, w[p - 1: -1], convert(src_kv))
+            sums[name].add(logits_own, logits_conv, logits_none, targets)
+    return {name: s.metrics() for name, s in sums.items()}
+
+
+def layer_r2(adapter: kvbridge.LinearAdapter) -> Dict[str, Any]:
+    layers = adapter.report["layers"]
+    return {"r2_key": [float(l["r2_key"]) for l in layers],
+            "r2_value": [float(l["r2_value"]) for l in layers],
+            "source_layers": [list(map(int, l["source_layers"])) for l in layers],
+            "quality": kvbridge.Bridge.quality(adapter),
+            "train_tokens": int(adapter.report["train_tokens"]),
+            "holdout_tokens": int(adapter.report["holdout_tokens"])}
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def fit_variants(pair: Any, windows: Sequence[Sequence[int]], variants: Sequence[str],
+                 progress: bool = False, seed: int = 0) -> Dict[str, kvbridge.LinearAdapter]:
+    """One adapter per variant, all from the same paired KV of `windows` (one prefill each)."""
+    fitters = {name: kvbridge.AdapterFitter(pair.source.spec, pair.target.spec, seed=seed,
+                                            **VARIANTS[name]) for name in variants}
+    items: Any = windows
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            items = tqdm(windows, desc="paired KV", unit="window", file=sys.stderr)
+        except ImportError:
+            pass
+    for w in items:
+        src, tgt = prefix_kv(pair.source.model, w), prefix_kv(pair.target.model, w)
+        for fitter in fitters.values():
+            fitter.add(src, tgt)
+    return {name: f.fit() for name, f in fitters.items()}
+
+
+class StaleAdapterError(ValueError):
+    """An adapter file fitted for other model weights (spec fingerprints differ)."""
+
+
+def check_adapter(adapter: kvbridge.LinearAdapter, pair: Any) -> None:
+    """Raises StaleAdapterError unless the adapter maps exactly pair.source -> pair.target.
+
+    The specs carry the weights' version, so their fingerprints change with the weights."""
+    for side, want in (("source", pair.source.spec), ("target", pair.target.spec)):
+        have = getattr(adapter, side)
+        if have.fingerprint != want.fingerprint:
+            raise StaleAdapterError(
+                f"adapter {side} is {have.name} version {have.version!r} (fingerprint "
+                f"{have.fingerprint}), the loaded model is {want.name} version {want.version!r} "
+                f"(fingerprint {want.fingerprint}): refit it (scripts/fit_testbed_adapter.py)")
+
+
+def load_adapter(path: str, pair: Any) -> kvbridge.LinearAdapter:
+    """LinearAdapter.load, then check_adapter against the loaded models."""
+    adapter = kvbridge.LinearAdapter.load(path)
+    check_adapter(adapter, pair)
+    return adapter
+
+
+# ----------------------------------------------------------------------------- TTFT
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def measure_ttft(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
+                 prompts: Sequence[Sequence[int]], repeats: int = 7,
+                 chunk_tokens: int = 16) -> Dict[str, List[Dict[str, Any]]]:
+    """Own-prefill vs Bridge TTFT of the target per prompt and adapter (see the module
+    docstring); one Bridge per adapter, the own-prefill timings shared. Returns rows by name."""
+    src, tgt = pair.source, pair.target
+    bridges = {}
+    for name, adapter in adapters.items():
+        store = kvbridge.KVStore(capacity_bytes=1 << 30, chunk_tokens=chunk_tokens)
+        bridges[name] = kvbridge.Bridge(store, min_quality=float("-inf"), write_back=False)
+        bridges[name].add_adapter(adapter)
+    rows: Dict[str, List[Dict[str, Any]]] = {name: [] for name in adapters}
+    for prompt in prompts:
+        prompt = list(prompt)
+        src_kv = prefix_kv(src.model, prompt)
+        for bridge in bridges.values():
+            bridge.save(src.spec, prompt, src_kv)
+        out: Dict[str, Any] = {}
+
+        def own():
+            logits, _ = forward(tgt.model, prompt, logits_to_keep=1)
+            out["own"] = int(logits[-1].argmax())
+
+        def via_bridge(name):
+            load = bridges[name].load(tgt.spec, prompt)
+            logits, _ = forward(tgt.model, prompt[load.tokens:], load.kv, logits_to_keep=1)
+            out[name] = (int(logits[-1].argmax()), load)
+
+        own()  # warm-up
+        for name in bridges:
+            via_bridge(name)
+        own_times: List[float] = []
+        bridge_times: Dict[str, List[float]] = {name: [] for name in bridges}
+        for _ in range(repeats):  # alternate, so drifts in machine load hit every path alike
+            own_times.append(_seconds(own))
+            for name in bridges:
+                bridge_times[name].append(_seconds(lambda: via_bridge(name)))
+        t_own = statistics.median(own_times)
+        for name in bridges:
+            token, load = out[name]
+            t_bridge = statistics.median(bridge_times[name])
+            rows[name].append({"prompt_tokens": len(prompt), "loaded_tokens": int(load.tokens),
+                               "converted": bool(load.converted), "own_ms": 1e3 * t_own,
+                               "bridge_ms": 1e3 * t_bridge, "ratio": t_own / t_bridge,
+                               "same_first_token": out["own"] == token})
+    return rows
+
+
+LLAMA3_8B = {"layers": 32, "hidden": 4096, "q_heads": 32, "kv_heads": 8, "head_dim": 128,
+             "mlp": 14336, "vocab": 128256}
+
+
+def flop_projection(lengths: Sequence[int], source_layers_per_target: float,
+                    shape: Dict[str, int] = LLAMA3_8B) -> List[Dict[str, float]]:
+    """TTFT ratio projected from FLOPs for a same-shape pair (formula in the module docstring)."""
+    L, d, kv = shape["layers"], shape["hidden"], shape["kv_heads"] * shape["head_dim"]
+    q = shape["q_heads"] * shape["head_dim"]
+    n = L * (2 * d * q + 2 * d * kv + 3 * d * shape["mlp"])
+    head = 2 * d * shape["vocab"]
+    rows = []
+    for t in lengths:
+        prefill = 2 * n * t + 2 * L * q * t * t + head
+        convert = (t - 1) * L * 2 * (source_layers_per_target * 2 * kv) * (2 * kv)
+        decode = 2 * n + 4 * L * q * t + head
+        rows.append({"prompt_tokens": int(t), "prefill_flops": float(prefill),
+                     "convert_flops": float(convert), "decode_flops": float(decode),
+                     "ratio": prefill / (convert + decode)})
+    return rows
+
+
+def mean_source_layers(adapter: kvbridge.LinearAdapter) -> float:
+    """Mean number of source layers one target layer draws on (|S_j|)."""
+    layers = adapter.report["layers"]
+    return sum(len(l["source_layers"]) for l in layers) / len(layers)
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def default_ttft_lengths(max_context: int, chunk_tokens: int) -> List[int]:
+    lengths = sorted({max(2 * chunk_tokens, (max_context >> s) // chunk_tokens * chunk_tokens)
+                      for s in range(4)})
+    return [n for n in lengths if n <= max_context]
+
+
+def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] = None,
+             progress: bool = False, data: Any = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Fits (unless `adapters` maps variant names to LinearAdapters) and scores every variant.
+
+    data: where texts and MAX_CONTEXT come from (default: kvbridge.testbed).
+    Returns the results.json content (see write_results) and the adapters by variant."""
+    max_context = int(testbed_module(data).MAX_CONTEXT)
+    window = config.window_tokens or max_context
+    if window > max_context:
+        raise ValueError(f"window_tokens {window} exceeds testbed.MAX_CONTEXT {max_context}")
+    cont = config.continuation_tokens or window // 4
+    if not 1 <= cont <= window - 2:
+        raise ValueError(f"continuation_tokens: expected 1..{window - 2}, got {cont}")
+    timings: Dict[str, float] = {}
+    t0 = time.perf_counter()
+    if adapters is None:
+        train = text_windows(pair, "train", window, config.train_windows, data)
+        adapters = fit_variants(pair, train, config.variants, progress=progress, seed=config.seed)
+        timings["fit_seconds"] = time.perf_counter() - t0
+        train_windows = len(train)
+    else:
+        for adapter in adapters.values():
+            check_adapter(adapter, pair)
+        train_windows = 0
+    heldout = text_windows(pair, "heldout", window, config.heldout_windows, data)
+    if not heldout:
+        raise ValueError("no held-out window fits: fewer held-out tokens than window_tokens")
+    t1 = time.perf_counter()
+    scores = score_windows(pair.target.model, heldout, cont, pair.tokenizer.bos_id,
+                           lambda ids: prefix_kv(pair.source.model, ids),
+                           {name: a.convert for name, a in adapters.items()})
+    timings["score_seconds"] = time.perf_counter() - t1
+    variants = {}
+    for name, adapter in adapters.items():
+        variants[name] = {**VARIANTS.get(name, {}), **scores[name], **layer_r2(adapter)}
+    best = max(variants, key=lambda n: (-math.inf if math.isnan(variants[n]["kept"])
+                                        else variants[n]["kept"]))
+    lengths = config.ttft_lengths or default_ttft_lengths(max_context, config.chunk_tokens)
+    if max(lengths) > max_context:
+        raise ValueError(f"TTFT length {max(lengths)} exceeds testbed.MAX_CONTEXT {max_context}")
+    ttft_texts = text_windows(pair, "heldout", max(lengths), 1, data)
+    if not ttft_texts:
+        raise ValueError("held-out text too short for the longest TTFT prompt")
+    t2 = time.perf_counter()
+    ttft = measure_ttft(pair, adapters, [ttft_texts[0][:n] for n in lengths],
+                        repeats=config.ttft_repeats, chunk_tokens=config.chunk_tokens)
+    timings["ttft_seconds"] = time.perf_counter() - t2
+    fitted = mean_source_layers(adapters[best])
+    proj_lengths = [1024, 4096, 8192, 32768]
+    proj_sizes = sorted({1.0, round(fitted, 2), 8.0, float(LLAMA3_8B["layers"])})
+    results = {
+        "config": {**asdict(config), "window_tokens": window, "continuation_tokens": cont,
+                   "ttft_lengths": lengths, "max_context": max_context},
+        "models": {side: {"name": m.spec.name, "version": m.spec.version,
+                          "fingerprint": m.spec.fingerprint, "num_layers": m.spec.num_layers,
+                          "num_kv_heads": m.spec.num_kv_heads, "head_dim": m.spec.head_dim,
+                          "parameters": sum(p.numel() for p in m.model.parameters())}
+                   for side, m in (("source", pair.source), ("target", pair.target))},
+        "windows": {"train": train_windows, "heldout": len(heldout)},
+        "variants": variants,
+        "best_variant": best,
+        "ttft": {"variant": best, "rows": ttft[best], "threads": torch.get_num_threads(),
+                 "by_variant": ttft},
+        "projection": {"shape": LLAMA3_8B, "fitted_source_layers_per_target": fitted,
+                       "by_source_layers": {f"{k:g}": flop_projection(proj_lengths, k)
+                                            for k in proj_sizes}},
+        "timings": timings,
+        "kvbridge_version": kvbridge.__version__,
+        "torch_version": torch.__version__,
+    }
+    return results, adapters
+
+
+def write_results(results: Dict[str, Any], out_dir: str) -> Dict[str, str]:
+    """Writes out_dir/results.json and out_dir/eval.png; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, "results.json"),
+             "plot": os.path.join(out_dir, "eval.png")}
+    with open(paths["json"], "w") as f:
+        json.dump(_finite_or_null(results), f, indent=2, allow_nan=False)
+        f.write("\n")
+    plot(results, paths["plot"])
+    return paths
+
+
+def _finite_or_null(x: Any) -> Any:
+    """NaN and infinities become null, so that results.json is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_null(v) for v in x]
+    return x
+
+
+def plot(results: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = results["variants"]
+    fig, (ax_r2, ax_kept) = plt.subplots(1, 2, figsize=(11, 4),
+                                         gridspec_kw={"width_ratios": [2, 1]})
+    for name, v in variants.items():
+        layers = range(len(v["r2_key"]))
+        line, = ax_r2.plot(layers, v["r2_key"], marker="o", label=f"{name} K")
+        ax_r2.plot(layers, v["r2_value"], marker="s", linestyle="--", color=line.get_color(),
+                   label=f"{name} V")
+    ax_r2.set_xlabel("target layer")
+    ax_r2.set_ylabel("held-out R²")
+    ax_r2.set_title("adapter fit per target layer")
+    ax_r2.legend(fontsize=7)
+    names = list(variants)
+    ax_kept.bar(names, [v["kept"] for v in variants.values()])
+    ax_kept.axhline(1.0, color="gray", linewidth=0.8)
+    ax_kept.set_ylabel("kept")
+    ax_kept.set_title("share of the prefix benefit kept")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_table(results: Dict[str, Any]) -> str:
+    lines = []
+    m = results["models"]
+    lines.append(f"{m['source']['name']} -> {m['target']['name']}: "
+                 f"{results['windows']['train']} training windows, "
+                 f"{results['windows']['heldout']} held-out windows of "
+                 f"{results['config']['window_tokens']} tokens "
+                 f"({results['config']['continuation_tokens']} continuation)")
+    lines.append("")
+    lines.append("| variant | kept | agreement | L_own | L_conv | L_none | min R² | mean R² K | "
+                 "mean R² V | source layers / target layer |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, v in results["variants"].items():
+        mean = lambda xs: sum(xs) / len(xs)
+        per = mean([len(s) for s in v["source_layers"]])
+        lines.append(f"| {name} | {v['kept']:.3f} | {v['agreement']:.3f} | {v['loss_own']:.3f} | "
+                     f"{v['loss_conv']:.3f} | {v['loss_none']:.3f} | {v['quality']:.3f} | "
+                     f"{mean(v['r2_key']):.3f} | {mean(v['r2_value']):.3f} | {per:.2f} |")
+    lines.append("")
+    t = results["ttft"]
+    lines.append(f"TTFT of {m['target']['name']} ({t['variant']} adapter, threads: {t['threads']}, "
+                 f"median of {results['config']['ttft_repeats']}):")
+    lines.append("")
+    lines.append("| prompt tokens | own prefill ms | kvbridge ms | ratio | loaded | same 1st token |")
+    lines.append("|---:|---:|---:|---:|---:|:---:|")
+    for r in t["rows"]:
+        lines.append(f"| {r['prompt_tokens']} | {r['own_ms']:.2f} | {r['bridge_ms']:.2f} | "
+                     f"{r['ratio']:.2f}x | {r['loaded_tokens']} | "
+                     f"{'yes' if r['same_first_token'] else 'no'} |")
+    lines.append("")
+    by = t["by_variant"]
+    lines.append("TTFT ratio by variant (the same own-prefill timings):")
+    lines.append("")
+    lines.append("| prompt tokens | " + " | ".join(by) + " |")
+    lines.append("|---:|" + "---:|" * len(by))
+    for i, r in enumerate(t["rows"]):
+        lines.append(f"| {r['prompt_tokens']} | "
+                     + " | ".join(f"{rows[i]['ratio']:.2f}x" for rows in by.values()) + " |")
+    lines.append("")
+    p = results["projection"]
+    sizes = list(p["by_source_layers"])
+    lines.append("FLOP-projected TTFT ratio, Llama-3-8B-sized pair, by source layers per target "
+                 f"layer |S_j| (the fitted map: {p['fitted_source_layers_per_target']:.2f}; "
+                 "'auto' allows at most 8, 'all' is 32):")
+    lines.append("")
+    lines.append("| prompt tokens | prefill FLOPs | decode FLOPs | "
+                 + " | ".join(f"|S|={k}" for k in sizes) + " |")
+    lines.append("|---:|---:|---:|" + "---:|" * len(sizes))
+    for i, r in enumerate(p["by_source_layers"][sizes[0]]):
+        ratios = " | ".join(f"{p['by_source_layers'][k][i]['ratio']:.1f}x" for k in sizes)
+        lines.append(f"| {r['prompt_tokens']} | {r['prefill_flops']:.3g} | "
+                     f"{r['decode_flops']:.3g} | {ratios} |")
+    return "\n".join(lines)
+
+
+def fit_default(pair: Any, path: str = DEFAULT_ADAPTER, windows: int = 400,
+                variant: str = "rope_auto", progress: bool = True,
+                data: Any = None) -> kvbridge.LinearAdapter:
+    """Fits one variant on the training split and saves it to `path`."""
+    train = text_windows(pair, "train", int(testbed_module(data).MAX_CONTEXT), windows, data)
+    adapter = fit_variants(pair, train, [variant], progress=progress)[variant]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    adapter.save(path)
+    return adapter
+
+
+def quiet_model_loading() -> None:
+    """No transformers progress bars while the testbed weights load (they clutter the tables)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
+def set_threads(threads: int) -> None:
+    """torch.set_num_threads(threads) unless 0. torch and kvbridge's native core share one OpenMP
+    runtime, so this sets the threads of both paths being compared. One thread is the default of
+    the commands: the testbed models are tiny, and on a shared CPU more threads make OpenMP's
+    barriers wait on other processes (measured: up to 10x slower prefills at 2 threads)."""
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
+    p.add_argument("--adapter", help="evaluate this adapter file (as every variant it is "
+                   "given for: only one, named 'loaded') instead of fitting")
+    p.add_argument("--save-adapter", metavar="PATH",
+                   help="save the best fitted variant (highest kept) to this file")
+    p.add_argument("--window-tokens", type=int, default=0)
+    p.add_argument("--continuation-tokens", type=int, default=0)
+    p.add_argument("--train-windows", type=int, default=EvalConfig.train_windows)
+    p.add_argument("--heldout-windows", type=int, default=EvalConfig.heldout_windows)
+    p.add_argument("--ttft-lengths", type=int, nargs="+", default=[])
+    p.add_argument("--ttft-repeats", type=int, default=EvalConfig.ttft_repeats)
+    p.add_argument("--chunk-tokens", type=int, default=EvalConfig.chunk_tokens)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    from kvbridge import testbed
+
+    config = EvalConfig(window_tokens=args.window_tokens,
+                        continuation_tokens=args.continuation_tokens,
+                        train_windows=args.train_windows, heldout_windows=args.heldout_windows,
+                        ttft_lengths=list(args.ttft_lengths), ttft_repeats=args.ttft_repeats,
+                        chunk_tokens=args.chunk_tokens, variants=list(args.variants),
+                        seed=args.seed)
+    set_threads(args.threads)
+    quiet_model_loading()
+    pair = testbed.load_pair()
+    adapters = None
+    if args.adapter:
+        adapters = {"loaded": load_adapter(args.adapter, pair)}
+        config.variants = ["loaded"]
+    results, adapters = evaluate(pair, config, adapters=adapters, progress=not args.quiet)
+    if args.save_adapter:
+        if args.adapter:
+            raise SystemExit("--save-adapter saves a fitted adapter; it cannot go with --adapter")
+        best = results["best_variant"]
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
+        adapters[best].save(args.save_adapter)
+        results["saved_adapter"] = {"path": args.save_adapter, "variant": best}
+        print(f"saved the {best} adapter to {args.save_adapter}")
+    paths = write_results(results, args.out)
+    print(format_table(results))
+    print(f"\nwrote {paths['json']} and {paths['plot']}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

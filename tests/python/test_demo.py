@@ -1,0 +1,85 @@
+"""kvbridge.demo: main() on a small batch; its report agrees with the Bridge's stats and with
+a direct conversion, and a missing or stale adapter is refitted, never used."""
+import pytest
+import torch
+
+import kvbridge
+from kvbridge import demo
+from kvbridge import eval as ev
+import tiny_testbed
+
+ARGS = ["--prompts", "3", "--window-tokens", "40", "--continuation-tokens", "8",
+        "--generate", "5", "--chunk-tokens", "8", "--fit-windows", "8", "--min-quality=-inf"]
+
+
+def test_demo_main_report(tmp_path, monkeypatch, capsys):
+    tiny_testbed.install(monkeypatch)
+    report = demo.main(ARGS + ["--adapter", str(tmp_path / "missing.safetensors")])
+    printed = capsys.readouterr()
+    assert "fitting one" in printed.err
+    assert report["adapter"]["origin"] == "fitted"
+    assert report["prompts"] == 3 and len(report["rows"]) == 3
+    st = report["bridge_stats"]
+    # three converted loads, then one reload that write-back made native
+    assert st["loads"] == 4 and st["converted_hits"] == 3 and st["native_hits"] == 1
+    assert st["saves"] == 3 and st["misses"] == 0
+    assert report["reload_is_native"]
+    # whole chunks are converted, the trimmed last prompt token included (BridgeStats)
+    assert st["converted_tokens"] == sum(r["prompt_tokens"] // 8 * 8 for r in report["rows"])
+    assert st["written_back_tokens"] == st["converted_tokens"]
+    for r in report["rows"]:
+        assert r["prompt_tokens"] == 32 and r["loaded_tokens"] == 31 and r["converted"]
+        assert r["source"] == "tiny-a"
+        assert len(r["own_tokens"]) == len(r["bridge_tokens"]) == 5
+    assert report["scored"]["tokens"] == 3 * 8
+    assert report["same_generation"] == sum(r["own_tokens"] == r["bridge_tokens"]
+                                            for r in report["rows"])
+    assert report["same_first_token"] == sum(r["own_tokens"][0] == r["bridge_tokens"][0]
+                                             for r in report["rows"])
+    assert "TTFT own ms" in printed.out and "kept" in printed.out
+
+
+def test_demo_uses_matching_adapter_and_refuses_stale(tmp_path, monkeypatch):
+    tiny_testbed.install(monkeypatch)
+    pair = tiny_testbed.load_pair()
+    windows = ev.text_windows(pair, "train", 40, 6, data=tiny_testbed)
+    adapter = ev.fit_variants(pair, windows, ["rope_auto"])["rope_auto"]
+    path = tmp_path / "a.safetensors"
+    adapter.save(path)
+    got = demo.get_adapter(pair, str(path), 4, log=lambda m: None)
+    assert got["origin"] == "shipped"
+    messages = []
+    stale = demo.get_adapter(tiny_testbed.load_pair(version="2"), str(path), 4,
+                             log=messages.append)
+    assert stale["origin"] == "fitted" and "stale" in messages[0]
+    assert stale["adapter"].source.version == "a2"
+
+
+def test_bridge_conversion_matches_direct_convert(monkeypatch):
+    pair = tiny_testbed.load_pair()
+    windows = ev.text_windows(pair, "train", 40, 6, data=tiny_testbed)
+    adapter = ev.fit_variants(pair, windows, ["rope_auto"])["rope_auto"]
+    prompt = ev.text_windows(pair, "heldout", 33, 1, data=tiny_testbed)[0]
+    report = demo.run(pair, adapter, [prompt + [0]], continuation=1, generate=2,
+                      chunk_tokens=8, min_quality=float("-inf"))
+    bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 24, chunk_tokens=8),
+                             min_quality=float("-inf"))
+    bridge.add_adapter(adapter)
+    src_kv = ev.prefix_kv(pair.source.model, prompt)
+    bridge.save(pair.source.spec, prompt, src_kv)
+    load = bridge.load(pair.target.spec, prompt)
+    assert load.tokens == 32 == report["rows"][0]["loaded_tokens"]
+    direct = adapter.convert(tuple((k[:, :, :32], v[:, :, :32]) for k, v in src_kv))
+    for (k, v), (dk, dv) in zip(load.kv, direct):
+        torch.testing.assert_close(k, dk, atol=0, rtol=0)
+        torch.testing.assert_close(v, dv, atol=0, rtol=0)
+
+
+def test_shipped_adapter_fits_the_shipped_weights():
+    # Fails whenever the testbed weights change without a refit of the shipped adapter
+    # (python -m kvbridge.eval --save-adapter ..., or scripts/fit_testbed_adapter.py).
+    testbed = pytest.importorskip("kvbridge.testbed")
+    pair = testbed.load_pair()
+    adapter = ev.load_adapter(ev.DEFAULT_ADAPTER, pair)
+    assert adapter.source.name == "testbed-a" and adapter.target.name == "testbed-b"
+    assert kvbridge.Bridge.quality(adapter) > 0.5
