@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates benchmarks/RESULTS.md: configures and builds the C++ benchmarks in build-bench/,
 # runs them (benchmarks/run_benchmarks.py) and the Python prefix-match benchmark
-# (benchmarks/python/bench_prefix_match.py), and writes the machine description and the tables.
+# (benchmarks/python/bench_prefix_match.py), and writes the machine description and the tables,
+# followed by the hand-recorded runs in benchmarks/recorded/.
 #
 #   scripts/bench.sh
 #
@@ -58,6 +59,12 @@ tmp="$(mktemp "$OUT.XXXXXX")"
   echo "## Python: CPU adapter convert vs torch.matmul of the same GEMMs"
   echo
   echo "$convert_tables"
+  # Runs too slow to repeat here (minutes to an hour) are recorded by hand with their command,
+  # date and machine, one file each, and copied in as they are.
+  for f in "$ROOT"/benchmarks/recorded/*.md; do
+    echo
+    cat "$f"
+  done
 } > "$tmp"
 chmod 644 "$tmp"
 mv "$tmp" "$OUT"
