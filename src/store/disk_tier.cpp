@@ -85,6 +85,19 @@ bool read_full(int fd, void* buf, size_t n) {
   return true;
 }
 
+// Moves past the first `done` bytes of the iovecs after a short readv / writev.
+void skip_done(iovec*& iov, int& count, size_t done) {
+  while (count > 0 && done >= iov->iov_len) {
+    done -= iov->iov_len;
+    ++iov;
+    --count;
+  }
+  if (count > 0) {
+    iov->iov_base = static_cast<char*>(iov->iov_base) + done;
+    iov->iov_len -= done;
+  }
+}
+
 // Reads exactly the iovecs' bytes; false on EOF (errno 0) or error.
 bool readv_full(int fd, iovec* iov, int count) {
   while (count > 0) {
@@ -94,16 +107,7 @@ bool readv_full(int fd, iovec* iov, int count) {
       if (r == 0) errno = 0;
       return false;
     }
-    size_t left = static_cast<size_t>(r);
-    while (count > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --count;
-    }
-    if (count > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
+    skip_done(iov, count, static_cast<size_t>(r));
   }
   return true;
 }
@@ -113,16 +117,7 @@ bool write_full(int fd, iovec* iov, int count) {
     const ssize_t w = ::writev(fd, iov, count);
     if (w < 0 && errno == EINTR) continue;
     if (w < 0) return false;
-    size_t left = static_cast<size_t>(w);
-    while (count > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --count;
-    }
-    if (count > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
+    skip_done(iov, count, static_cast<size_t>(w));
   }
   return true;
 }

@@ -112,6 +112,16 @@ void rotate_keys(FloatKV& kv, int64_t start_pos) {
                        kv.plane(l, 0), w);
 }
 
+// ||out - ref|| / ||ref|| over all elements.
+double relative_rms_error(const std::vector<float>& out, const std::vector<float>& ref) {
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    err += std::pow(static_cast<double>(out[i]) - ref[i], 2);
+    norm += std::pow(static_cast<double>(ref[i]), 2);
+  }
+  return std::sqrt(err / norm);
+}
+
 struct PlantedPair {
   ModelSpec source;
   ModelSpec target = make_spec("tgt", 2, 3, 6, 50000.0, RopeStyle::kInterleaved);
@@ -185,12 +195,7 @@ TEST(AdapterFitter, RecoversPlantedMapThroughRope) {
     FloatKV src(pair.source, 31), tgt(pair.target, 31), out(pair.target, 31);
     pair.sample(31, 5000, 999, src, tgt);
     adapter.convert(src.view(), 5000, out.view());
-    double err = 0, ref = 0;
-    for (size_t i = 0; i < tgt.data.size(); ++i) {
-      err += std::pow(out.data[i] - tgt.data[i], 2);
-      ref += std::pow(tgt.data[i], 2);
-    }
-    EXPECT_LT(std::sqrt(err / ref), 1e-3);
+    EXPECT_LT(relative_rms_error(out.data, tgt.data), 1e-3);
   }
 }
 
@@ -242,12 +247,7 @@ TEST(AdapterFitter, TwoPassSelectionWithinMemoryBudget) {
   FloatKV src(pair.source, 31), tgt(pair.target, 31), out(pair.target, 31);
   pair.sample(31, 5000, 999, src, tgt);
   adapter.convert(src.view(), 5000, out.view());
-  double err = 0, ref = 0;
-  for (size_t i = 0; i < tgt.data.size(); ++i) {
-    err += std::pow(out.data[i] - tgt.data[i], 2);
-    ref += std::pow(tgt.data[i], 2);
-  }
-  EXPECT_LT(std::sqrt(err / ref), 1e-3);
+  EXPECT_LT(relative_rms_error(out.data, tgt.data), 1e-3);
   // The block accumulators give the same maps as one pass over exactly the chosen layers.
   FitOptions explicit_options;
   explicit_options.selection = FitOptions::Selection::kExplicit;
