@@ -110,6 +110,28 @@ std::string bench_dir(const std::string& name) {
 // 3. Disk tier read vs a plain sequential read
 // ---------------------------------------------------------------------------------------------
 
+// Times KVStore::match of an entry only a lower tier holds: each iteration erases the memory
+// copy with the timer paused. Afterwards the bytes read back are checked against the entry.
+void time_lower_tier_match(benchmark::State& state, KVStore& store, const Entry& e,
+                           const char* tier) {
+  for (auto _ : state) {
+    state.PauseTiming();
+    store.erase(e.spec, e.tokens, "default", kvbridge::kMemoryTier);
+    state.ResumeTiming();
+    Match m = store.match(e.spec, e.tokens);
+    if (m.tokens() != e.chunk) {
+      state.SkipWithError((std::string("match did not read the entry from ") + tier).c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(m.tokens());
+  }
+  std::vector<unsigned char> check(e.kv.size());
+  Match m = store.match(e.spec, e.tokens);
+  if (m.tokens() != e.chunk) return state.SkipWithError("the entry is gone after the timing");
+  m.copy_to(KVView::contiguous(check.data(), e.spec.dtype, Device{}, 1, e.chunk, 8, 128));
+  if (check != e.kv) state.SkipWithError("bytes read back differ");
+}
+
 void BM_DiskTierRead(benchmark::State& state) {
   const int64_t bytes = state.range(0) * kMiB;
   Entry e(bytes);
@@ -123,23 +145,7 @@ void BM_DiskTierRead(benchmark::State& state) {
       state.SkipWithError("put did not store the entry");
       return;
     }
-    std::vector<unsigned char> check(e.kv.size());
-    for (auto _ : state) {
-      state.PauseTiming();
-      store.erase(e.spec, e.tokens, "default", kvbridge::kMemoryTier);
-      state.ResumeTiming();
-      Match m = store.match(e.spec, e.tokens);
-      if (m.tokens() != e.chunk) {
-        state.SkipWithError("match did not read the entry from disk");
-        break;
-      }
-      benchmark::DoNotOptimize(m.tokens());
-    }
-    Match m = store.match(e.spec, e.tokens);
-    if (m.tokens() == e.chunk) {
-      m.copy_to(KVView::contiguous(check.data(), e.spec.dtype, Device{}, 1, e.chunk, 8, 128));
-      if (check != e.kv) state.SkipWithError("bytes read back differ");
-    }
+    time_lower_tier_match(state, store, e, "disk");
     const kvbridge::StoreStats st = store.stats();
     state.counters["disk_hits"] = static_cast<double>(st.disk.hit_chunks);
   }
@@ -220,21 +226,7 @@ void BM_RedisTierGet(benchmark::State& state) {
   KVStore store(redis_options(e, "bench-get-" + std::to_string(::getpid())));
   if (store.put(e.spec, e.tokens, e.view) != e.chunk || store.stats().redis.writes != 1)
     return state.SkipWithError("put did not reach Redis");
-  for (auto _ : state) {
-    state.PauseTiming();
-    store.erase(e.spec, e.tokens, "default", kvbridge::kMemoryTier);
-    state.ResumeTiming();
-    Match m = store.match(e.spec, e.tokens);
-    if (m.tokens() != e.chunk) {
-      state.SkipWithError("match did not read the entry from Redis");
-      break;
-    }
-    benchmark::DoNotOptimize(m.tokens());
-  }
-  std::vector<unsigned char> check(e.kv.size());
-  Match m = store.match(e.spec, e.tokens);
-  m.copy_to(KVView::contiguous(check.data(), e.spec.dtype, Device{}, 1, e.chunk, 8, 128));
-  if (check != e.kv) state.SkipWithError("bytes read back differ");
+  time_lower_tier_match(state, store, e, "Redis");
   store.clear(kvbridge::kAllTiers);
   state.SetBytesProcessed(state.iterations() * bytes);
 }
