@@ -335,7 +335,7 @@ bool DiskTier::contains(const Hash128& key) const {
   return impl_->index.count(key) != 0;
 }
 
-LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, int64_t* created_ms) {
+LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, LoadedMeta* meta) {
   Impl& m = *impl_;
   TierCounters& c = *m.counters;
   uint64_t gen = 0;
@@ -417,7 +417,7 @@ LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, int64_t* cre
     auto it = m.index.find(want.key);
     if (it != m.index.end() && it->second.gen == gen) m.order.touch(it->second.order, want.key);
   }
-  *created_ms = h.created_ms;
+  *meta = LoadedMeta::of(h);
   return LoadResult::kHit;
 }
 
@@ -521,6 +521,32 @@ int64_t DiskTier::invalidate(const Fingerprint& fp) {
     ::rmdir(d.c_str());
   }
   ::rmdir(dir.c_str());
+  return removed;
+}
+
+int64_t DiskTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter) {
+  Impl& m = *impl_;
+  std::vector<Hash128> keys;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    for (const auto& [key, e] : m.index)
+      if (e.fp == fp) keys.push_back(key);
+  }
+  int64_t removed = 0;
+  for (const Hash128& key : keys) {
+    Fingerprint field{};
+    const int fd = ::open(m.path_of(key, fp).c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    const ssize_t n = ::pread(fd, field.data(), field.size(), kEntryAdapterOffset);
+    ::close(fd);
+    if (n != static_cast<ssize_t>(field.size()) || field != adapter) continue;
+    std::lock_guard<std::mutex> lock(m.mu);
+    auto it = m.index.find(key);
+    if (it != m.index.end() && it->second.fp == fp) {
+      m.drop_locked(it);
+      ++removed;
+    }
+  }
   return removed;
 }
 
