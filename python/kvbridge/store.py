@@ -84,7 +84,7 @@ class KVStore:
         if redis_url is not None:
             options["redis_url"] = redis_url
         for name, value in options.items():
-            if name.startswith("_") or not hasattr(o, name) or name == "clock_ms":
+            if name.startswith("_") or not hasattr(o, name):
                 raise TypeError(f"KVStore: unknown option {name!r}")
             default = getattr(o, name)
             value = _args.option(name, default, value)
