@@ -179,8 +179,8 @@ double report_number(const json& j, const char* key, size_t layer) {
 int64_t report_count(const json& j, const char* key) {
   const auto it = j.find(key);
   // JSON integers >= 0 parse as unsigned; negative ones and fractions do not.
-  KVB_CHECK_AS(Corrupt, it != j.end() && it->is_number_unsigned() &&
-                            it->get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
+  constexpr auto kMax = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  KVB_CHECK_AS(Corrupt, it != j.end() && it->is_number_unsigned() && it->get<uint64_t>() <= kMax,
                "adapter file: fit_report." << key << " must be an integer >= 0");
   return it->get<int64_t>();
 }
@@ -251,7 +251,8 @@ LinearAdapter LinearAdapter::load(const std::string& path, const AdapterLoadOpti
   const auto sum = meta.find(kChecksumKey);
   if (sum != meta.end()) {
     std::map<std::string, TensorBytes> views;
-    for (const auto& [name, t] : file.tensors) views[name] = {t.shape, t.data.data(), t.data.size()};
+    for (const auto& [name, t] : file.tensors)
+      views[name] = {t.shape, t.data.data(), t.data.size()};
     const std::string actual = content_checksum(meta, views).hex();
     KVB_CHECK_AS(Corrupt, sum->second == actual,
                  "adapter file " << path << ": checksum mismatch (the file says " << sum->second

@@ -35,7 +35,8 @@ constexpr int64_t kMaxPosition = int64_t{1} << 53;
 inline void check_positions(int64_t start_pos, int64_t tokens) {
   KVB_CHECK(start_pos >= 0, "start_pos must be >= 0, got " << start_pos);
   KVB_CHECK(start_pos <= kMaxPosition - tokens,
-            "start_pos " << start_pos << " + " << tokens << " tokens passes the largest position 2^53");
+            "start_pos " << start_pos << " + " << tokens
+                         << " tokens passes the largest position 2^53");
 }
 
 /// Rotates (inverse = false) or un-rotates (inverse = true) keys in place: rows of `x` are tokens

@@ -89,8 +89,9 @@ Hash128 entry_checksum(const unsigned char* prefix, size_t prefix_bytes, const v
 void encode_trailer(const Hash128& checksum, unsigned char out[kEntryTrailerBytes]);
 Hash128 decode_trailer(const unsigned char in[kEntryTrailerBytes]);
 
-/// Parses the kEntryHeaderBytes header bytes and checks that they are self-consistent and describe an entry
-/// of exactly `total_bytes` (the file or value size). Throws Corrupt saying what is wrong.
+/// Parses the kEntryHeaderBytes header bytes and checks that they are self-consistent and
+/// describe an entry of exactly `total_bytes` (the file or value size). Throws Corrupt saying
+/// what is wrong.
 EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes);
 
 }  // namespace kvbridge::detail

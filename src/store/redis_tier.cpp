@@ -158,7 +158,8 @@ void percent_encode_into(std::string* out, std::string_view s) {
 std::string glob_literal(std::string_view literal) {
   std::string g;
   for (char ch : literal) {
-    if (ch == '*' || ch == '?' || ch == '[' || ch == ']' || ch == '\\' || ch == '^') g.push_back('\\');
+    const bool meta = ch == '*' || ch == '?' || ch == '[' || ch == ']' || ch == '\\' || ch == '^';
+    if (meta) g.push_back('\\');
     g.push_back(ch);
   }
   return g;
