@@ -149,3 +149,26 @@ def test_package_refuses_untested_vllm():
         with pytest.raises(ImportError, match="tested with vLLM 0.32.0"):
             kv_vllm._check_version(bad)
     assert pathlib.Path(kv_vllm.__file__).parent.name == "vllm"
+
+
+def test_prometheus_counters_follow_the_stats():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+
+    def in_registry(cls):
+        return lambda *a, **kw: cls(*a, registry=registry, **kw)
+
+    types = {Gauge: in_registry(Gauge), Counter: in_registry(Counter),
+             Histogram: in_registry(Histogram)}
+    prom = connector.KVBridgeConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
+        {0: ["testbed-b", "0"]})
+    prom.observe({"tokens_loaded": 96, "loads_converted": 1, "load_errors": 0})
+    prom.observe({"tokens_loaded": 32})
+    labels = {"model_name": "testbed-b", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvbridge_tokens_loaded_total", labels) == 128
+    assert registry.get_sample_value("vllm:kvbridge_loads_converted_total", labels) == 1
+    assert registry.get_sample_value("vllm:kvbridge_load_errors_total", labels) == 0
