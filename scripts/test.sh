@@ -22,3 +22,9 @@ build/example/bridge_example
 echo "== Python tests"
 install_python_package
 "$PY" -m pytest -q tests/python
+
+if [ "${KVBRIDGE_SKIP_VLLM:-0}" != 1 ]; then
+  echo "== vLLM connector tests (in .venv-vllm)"
+  setup_vllm_venv
+  VLLM_CPU_KVCACHE_SPACE=1 "$VLLM_PY" -m pytest -q tests/vllm
+fi

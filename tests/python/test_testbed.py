@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 import kvbridge  # noqa: E402
-from kvbridge import hf, testbed  # noqa: E402
+from kvbridge import hf, specs, testbed  # noqa: E402
 
 # float32 logits of an incremental decode vs one full forward: same math, different reduction
 # shapes, so they agree to rounding; 1e-4 absolute is far below any real difference (logits ~10).
@@ -61,7 +61,7 @@ def test_specs_describe_the_models(pair):
 def test_spec_version_is_the_weights_hash(pair, record):
     for tm in (pair.source, pair.target):
         assert tm.spec.version == record["models"][tm.name]["version"]
-        assert tm.spec.version == testbed._file_hash(tm.path / "model.safetensors")
+        assert tm.spec.version == specs.file_hash(tm.path / "model.safetensors")
 
 
 @pytest.mark.parametrize("which", ["source", "target"])

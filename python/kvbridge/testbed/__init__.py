@@ -39,7 +39,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kvbridge import _core
+from kvbridge import _core, specs
 from kvbridge._tensors import cache_layers
 
 MODELS_DIR = pathlib.Path(__file__).resolve().parent / "models"
@@ -67,7 +67,7 @@ class ByteTokenizer:
     """Byte-level tokenizer: ids 0-255 are the UTF-8 bytes, then BOS, EOS and PAD.
 
     Its definition lives in models/tokenizer/tokenizer.json; ``id`` is a hash of that file (the
-    ModelSpec tokenizer id shared by both models).
+    ModelSpec tokenizer id shared by both models; kvbridge.specs.tokenizer_id of its folder).
     """
 
     def __init__(self, path: Union[str, "os.PathLike[str]"] = TOKENIZER_DIR / "tokenizer.json"):
@@ -80,7 +80,7 @@ class ByteTokenizer:
         self.eos_id = int(cfg["eos_id"])
         self.pad_id = int(cfg["pad_id"])
         self.vocab_size = int(cfg["vocab_size"])
-        self.id = "testbed-bytes-" + hashlib.sha256(raw).hexdigest()[:16]
+        self.id = specs.byte_tokenizer_id(raw)
         self.path = path
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> List[int]:
@@ -121,69 +121,31 @@ class TestbedPair:
     target: TestbedModel
 
 
-def _file_hash(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:32]
-
-
-def _rope_parameters(config: Any) -> Tuple[float, _core.RopeScaling]:
-    """RoPE base and scaling of an HF config (transformers 5 ``rope_parameters``, or the older
-    ``rope_theta`` / ``rope_scaling`` fields)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        if "rope_theta" not in params:
-            params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
-    base = float(params["rope_theta"])
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return base, _core.RopeScaling()
-    if kind == "linear":
-        return base, _core.RopeScaling("linear", factor=float(params["factor"]))
-    if kind == "llama3":
-        return base, _core.RopeScaling(
-            "llama3", factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position=int(params["original_max_position_embeddings"]))
-    raise ValueError(f"model_spec: RoPE type {kind!r} is not supported by kvbridge.ModelSpec")
-
-
 def model_spec(hf_model: Any, name: str, version: Optional[str] = None,
                tokenizer: Optional[str] = None) -> _core.ModelSpec:
-    """The kvbridge.ModelSpec of an HF causal LM (Llama/Qwen2-style config).
+    """The kvbridge.ModelSpec of an HF causal LM (Llama/Qwen2-style config), by the rules of
+    kvbridge.specs that kvbridge.vllm applies too (so a testbed model gets the same spec in
+    both).
 
-    version: defaults to a hash of the model's weights file (``model.safetensors`` in
-        ``hf_model.name_or_path``) when there is one, else to a hash of the weights in memory.
+    version: defaults to kvbridge.specs.weights_version of ``hf_model.name_or_path`` when it
+        holds weight files, else to a hash of the weights in memory.
     tokenizer: defaults to the testbed tokenizer's id.
     The KV dtype is the dtype of the model's parameters.
     """
-    cfg = hf_model.config
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    base, scaling = _rope_parameters(cfg)
     if version is None:
-        folder = pathlib.Path(str(getattr(hf_model, "name_or_path", "") or ""))
-        weights = folder / "model.safetensors"
-        if weights.is_file():
-            version = _file_hash(weights)
-        else:
-            h = hashlib.sha256()
-            for key, t in sorted(hf_model.state_dict().items()):
-                h.update(key.encode())
-                data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                h.update(data.numpy().tobytes())
-            version = h.hexdigest()[:32]
+        version = specs.weights_version(str(getattr(hf_model, "name_or_path", "") or ""))
+    if version is None:
+        h = hashlib.sha256()
+        for key, t in sorted(hf_model.state_dict().items()):
+            h.update(key.encode())
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            h.update(data.numpy().tobytes())
+        version = h.hexdigest()[:32]
     if tokenizer is None:
         tokenizer = load_tokenizer().id
     dtype = str(next(hf_model.parameters()).dtype).replace("torch.", "")
-    return _core.ModelSpec(name, num_layers=int(cfg.num_hidden_layers), num_kv_heads=kv_heads,
-                           head_dim=head_dim, dtype=dtype, version=version, tokenizer=tokenizer,
-                           rope_base=base, rope_style="half", rope_scaling=scaling)
+    return specs.spec_from_config(hf_model.config, name, dtype=dtype, version=version,
+                                  tokenizer=tokenizer)
 
 
 def load_model(name: str, models_dir: Union[str, "os.PathLike[str]", None] = None) -> TestbedModel:

@@ -1,0 +1,583 @@
+"""KVBridgeConnector: kvbridge's store and Bridge as a vLLM v1 KV connector.
+
+Scheduler side: ``get_num_new_matched_tokens`` probes the store (the model's own entries and
+those of every usable adapter's source model) without converting or writing anything, and
+promises the longest prefix past vLLM's own computed tokens (at most the prompt minus its last
+token). ``build_connector_meta`` turns promises into load operations and, once a request's
+prompt has been computed, its whole chunks into a save operation.
+
+Worker side: ``start_load_kv`` (before the forward) loads each promised prefix through
+``Bridge.load`` (native, or converted and written back) and writes the promised token range
+into the request's blocks; whatever it could not deliver is reported through
+``get_block_ids_with_load_errors`` so that vLLM recomputes it. ``wait_for_save`` (after the
+forward) copies each finished prompt's tokens out of the paged cache, the only work decode
+waits for, and hands the copy to a background thread that writes it to the store.
+
+Within one process, the scheduler-side and worker-side instances share one store and Bridge
+(a registry keyed by the store options, adapters and Bridge options).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                KVConnectorMetadata,
+                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
+                                                                   KVConnectorStats)
+
+from kvbridge import _core
+from kvbridge.adapter import LinearAdapter
+from kvbridge.bridge import Bridge
+from kvbridge.store import KVStore
+from kvbridge.vllm import paged
+from kvbridge.vllm.options import ConnectorOptions, engine_spec, parse_options
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvbridge.vllm")
+
+#: The connector's counters (stats(), vLLM's connector stats and Prometheus).
+COUNTERS = (
+    "lookups",             # scheduler probes
+    "lookup_hits_native",  # probes answered from the model's own entries
+    "lookup_hits_converted",  # probes answered from another model's entries (to convert)
+    "tokens_promised",     # tokens promised to vLLM past its own computed prefix
+    "loads",               # load operations run by the worker
+    "loads_native",
+    "loads_converted",
+    "tokens_loaded",       # tokens written into vLLM's blocks
+    "load_errors",         # load operations that delivered less than promised
+    "failed_blocks",       # blocks reported to vLLM for recomputation
+    "saves",               # prompts handed to the store
+    "tokens_saved",        # tokens the store took
+    "save_errors",         # saves that raised (the request is unaffected)
+    "requests_skipped",    # requests kvbridge cannot key (prompt embeds, multimodal, LoRA)
+    "store_unavailable",   # 1 when the configured store could not be opened
+)
+TIMERS = ("lookup_seconds", "load_seconds", "save_copy_seconds", "save_seconds")
+
+
+class _Shared:
+    """One process's store, Bridge, counters and save thread for one connector config."""
+
+    def __init__(self, options: ConnectorOptions, spec: _core.ModelSpec):
+        self.spec = spec
+        self.options = options
+        self.lock = threading.Lock()
+        self.totals: Dict[str, float] = {k: 0 for k in COUNTERS + TIMERS}
+        self.pending: Dict[str, float] = {k: 0 for k in COUNTERS + TIMERS}
+        store_kw = dict(options.store)
+        capacity = store_kw.pop("capacity_bytes")
+        chunk = store_kw.pop("chunk_tokens")
+        try:
+            self.store = KVStore(capacity, chunk, **store_kw)
+        except _core.UnavailableError as e:
+            # Another live process holds the disk directory: serve from memory only.
+            logger.error("kvbridge: store unavailable (%s); running with a memory-only store, "
+                         "entries of other processes are misses", e)
+            self.count("store_unavailable")
+            self.store = KVStore(capacity, chunk)
+        self.bridge = Bridge(self.store, min_quality=options.min_quality,
+                             write_back=options.write_back)
+        self.adapters: List[LinearAdapter] = []
+        for path in options.adapters:
+            adapter = LinearAdapter.load(path)
+            if adapter.target != spec:
+                raise ValueError(
+                    f"KVBridgeConnector: adapter {path} converts to {adapter.target.name} "
+                    f"(fingerprint {adapter.target.fingerprint}), but this engine serves "
+                    f"{spec.name} (fingerprint {spec.fingerprint}); its target spec "
+                    f"{_spec_fields(adapter.target)} != served {_spec_fields(spec)}")
+            self.bridge.add_adapter(adapter)
+            self.adapters.append(adapter)
+        # Sources the probe looks at: adapters the Bridge would use (quality gate).
+        self.sources = [a.source for a in self.adapters
+                        if Bridge.quality(a) >= options.min_quality]
+        self._saves: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._saver = threading.Thread(target=self._save_loop, name="kvbridge-save",
+                                       daemon=True)
+        self._saver.start()
+
+    def count(self, name: str, value: float = 1) -> None:
+        with self.lock:
+            self.totals[name] += value
+            self.pending[name] += value
+
+    def take_pending(self) -> Dict[str, float]:
+        with self.lock:
+            out = {k: v for k, v in self.pending.items() if v}
+            for k in self.pending:
+                self.pending[k] = 0
+        return out
+
+    def submit_save(self, tokens: List[int], kv: tuple, namespace: str) -> None:
+        self._saves.put((tokens, kv, namespace))
+
+    def flush(self) -> None:
+        """Waits until every submitted save has been written."""
+        self._saves.join()
+
+    def _save_loop(self) -> None:
+        while True:
+            item = self._saves.get()
+            try:
+                tokens, kv, namespace = item
+                t0 = time.perf_counter()
+                saved = self.bridge.save(self.spec, tokens, kv, namespace)
+                self.count("save_seconds", time.perf_counter() - t0)
+                self.count("tokens_saved", saved)
+            except Exception as e:  # a save never affects the request
+                self.count("save_errors")
+                logger.warning("kvbridge: save failed: %s", e)
+            finally:
+                self._saves.task_done()
+
+
+def _spec_fields(spec: _core.ModelSpec) -> dict:
+    return {k: getattr(spec, k) for k in ("name", "num_layers", "num_kv_heads", "head_dim",
+                                          "dtype", "version", "tokenizer", "rope_base",
+                                          "rope_style")}
+
+
+_REGISTRY: Dict[tuple, _Shared] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _shared(options: ConnectorOptions, spec: _core.ModelSpec) -> _Shared:
+    key = (options.store, options.adapters, options.min_quality, options.write_back,
+           spec.fingerprint)
+    with _REGISTRY_LOCK:
+        found = _REGISTRY.get(key)
+        if found is None:
+            found = _REGISTRY[key] = _Shared(options, spec)
+        return found
+
+
+@atexit.register
+def _flush_all() -> None:
+    for shared in list(_REGISTRY.values()):
+        shared.flush()
+
+
+@dataclass
+class LoadOp:
+    """Load tokens [start, stop) of `tokens` into `block_ids` (the request's blocks)."""
+
+    req_id: str
+    tokens: List[int]
+    namespace: str
+    start: int
+    stop: int
+    block_ids: List[int]
+
+
+@dataclass
+class SaveOp:
+    """Save `tokens` (whole chunks of a computed prompt) from `block_ids`."""
+
+    req_id: str
+    tokens: List[int]
+    namespace: str
+    block_ids: List[int]
+
+
+@dataclass
+class KVBridgeConnectorMetadata(KVConnectorMetadata):
+    loads: List[LoadOp] = field(default_factory=list)
+    saves: List[SaveOp] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    tokens: List[int]
+    namespace: str
+    native: int           # tokens of the model's own entries (probe)
+    best: int             # tokens the store can serve, native or converted (probe)
+    external: int = 0     # tokens promised to vLLM
+    block_ids: List[int] = field(default_factory=list)
+    saved: bool = False
+
+
+@dataclasses.dataclass
+class KVBridgeConnectorStats(KVConnectorStats):
+    """Counter deltas of one interval (COUNTERS and TIMERS by name)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVBridgeConnectorStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> Dict[str, float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per connector counter: ``vllm:kvbridge_<name>``."""
+
+    def __init__(self, vllm_config: "VllmConfig", metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: Dict[str, Dict[int, Any]] = {}
+        for name in COUNTERS + TIMERS:
+            counter = self._counter_cls(name=f"vllm:kvbridge_{name}",
+                                        documentation=f"kvbridge connector: {name}",
+                                        labelnames=labelnames)
+            self._counters[name] = {idx: counter.labels(*values)
+                                    for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and value > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
+
+
+_LAYER_INDEX = re.compile(r"(\d+)")
+
+
+def _layer_index(name: str) -> int:
+    found = _LAYER_INDEX.findall(name)
+    if not found:
+        raise ValueError(f"KVBridgeConnector: no layer index in attention layer name {name!r}")
+    return int(found[-1])
+
+
+def load_into_blocks(bridge: Bridge, spec: _core.ModelSpec,
+                     layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]], block_size: int,
+                     op: LoadOp) -> Tuple[int, bool, Set[int]]:
+    """Loads op.tokens' prefix through `bridge` and writes tokens [op.start, op.stop) into
+    op.block_ids of `layers` (one paged.kv_views pair per layer).
+
+    Returns (tokens written, whether converted, ids of the blocks holding promised tokens that
+    were not written: every block from the first missing token's to op.stop's). Never raises:
+    a failing store, a corrupt entry, a failed conversion or a shorter prefix than promised
+    is a partial or empty load.
+    """
+    got, converted = 0, False
+    try:
+        if layers is None:
+            raise RuntimeError("no KV caches registered")
+        hit = bridge.load(spec, op.tokens, op.namespace)
+        got, converted = min(hit.tokens, op.stop), hit.converted
+        if got > op.start:
+            for (keys, values), (k, v) in zip(layers, hit.kv):
+                paged.scatter(keys, values, op.block_ids, op.start, k[:, :, op.start:got],
+                              v[:, :, op.start:got])
+    except Exception as e:  # any failure: the blocks are recomputed
+        logger.warning("kvbridge: load of request %s failed: %s", op.req_id, e)
+        got = 0
+    if got >= op.stop:
+        return op.stop - op.start, converted, set()
+    first = max(got, op.start) // block_size
+    failed = set(op.block_ids[first:-(-op.stop // block_size)])
+    logger.warning("kvbridge: request %s: %d of %d promised tokens loaded; %d blocks reported "
+                   "for recomputation", op.req_id, max(0, got - op.start), op.stop - op.start,
+                   len(failed))
+    return max(0, got - op.start), converted, failed
+
+
+def check_cpu_layout(dtype: torch.dtype, heads: int, block_size: int, head_dim: int) -> None:
+    """Writes one block of seeded random KV with vLLM's own CPU cache-write op (the ISA the
+    backend picks for this dtype, block size and head dim) and checks that paged's "cpu" layout
+    reads it back exactly; raises ValueError naming the ISA otherwise."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+    scratch = torch.zeros(1, heads, block_size, 2 * head_dim, dtype=dtype)
+    key_cache, value_cache = scratch.view(1, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    gen = torch.Generator().manual_seed(7)
+    key = torch.randn(block_size, heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(block_size, heads, head_dim, generator=gen).to(dtype)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+                                   torch.arange(block_size, dtype=torch.long), isa)
+    keys, values = paged.kv_views(scratch, "cpu", head_dim)
+    k, v = paged.gather(keys, values, [0], block_size)
+    if not (torch.equal(k[0].transpose(0, 1), key) and torch.equal(v[0].transpose(0, 1), value)):
+        raise ValueError(f"KVBridgeConnector: vLLM's CPU attention ISA {isa!r} ({dtype}, block "
+                         f"size {block_size}, head dim {head_dim}) lays out its KV blocks in a "
+                         "way kvbridge.vllm.paged does not read; this combination is not "
+                         "supported")
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector backed by kvbridge (see the module docstring and README "vLLM")."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError("KVBridgeConnector: tensor and pipeline parallel sizes must be 1, "
+                             f"got {parallel.tensor_parallel_size} and "
+                             f"{parallel.pipeline_parallel_size}")
+        tc = self._kv_transfer_config
+        # A failed load must mean "recompute these blocks", never "fail the request"
+        # (vLLM's default policy); the scheduler reads this after creating its connector.
+        if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.info("kvbridge: setting kv_load_failure_policy='recompute' (a failed load "
+                        "is recomputed, never a failed request)")
+            tc.kv_load_failure_policy = "recompute"
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._options = parse_options(tc.kv_connector_extra_config, self._block_size)
+        mc = vllm_config.model_config
+        self._spec = engine_spec(mc.hf_text_config, mc.model, mc.tokenizer,
+                                 mc.served_model_name, mc.dtype,
+                                 vllm_config.cache_config.cache_dtype, self._options)
+        self._shared = _shared(self._options, self._spec)
+        self._chunk = self._shared.store.chunk_tokens
+        # scheduler side
+        self._reqs: Dict[str, _ReqState] = {}
+        # worker side
+        self._layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+        self._failed_blocks: Set[int] = set()
+        logger.info("kvbridge: %s connector for %s (fingerprint %s), chunk %d tokens",
+                    role.name.lower(), self._spec.name, self._spec.fingerprint, self._chunk)
+
+    # ----- shared -------------------------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss
+
+    @property
+    def spec(self) -> _core.ModelSpec:
+        """The served model's ModelSpec."""
+        return self._spec
+
+    @property
+    def bridge(self) -> Bridge:
+        return self._shared.bridge
+
+    def stats(self) -> dict:
+        """This process's connector counters and times (COUNTERS, TIMERS), with the Bridge's
+        and the store's stats under "bridge" and "store"."""
+        with self._shared.lock:
+            out: Dict[str, Any] = dict(self._shared.totals)
+        out["bridge"] = self._shared.bridge.stats()
+        out["store"] = self._shared.store.stats()
+        return out
+
+    def flush(self) -> None:
+        """Waits until every save handed to the background thread is in the store."""
+        self._shared.flush()
+
+    def shutdown(self) -> None:
+        self._shared.flush()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None):
+        return KVBridgeConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
+
+    def get_kv_connector_stats(self):
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        data = self._shared.take_pending()
+        return KVBridgeConnectorStats(data=data) if data else None
+
+    # ----- scheduler side -----------------------------------------------------------------
+
+    def _namespace(self, request: "Request") -> str:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        ns = params.get("namespace") or self._options.namespace
+        salt = getattr(request, "cache_salt", None)
+        return f"{ns}\x1fsalt={salt}" if salt else str(ns)
+
+    def _keyable_tokens(self, request: "Request") -> Optional[List[int]]:
+        if (request.prompt_token_ids is None or getattr(request, "mm_features", None)
+                or getattr(request, "lora_request", None) is not None):
+            return None
+        return list(request.prompt_token_ids)
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> Tuple[int, bool]:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            tokens = self._keyable_tokens(request)
+            if tokens is None:
+                self._shared.count("requests_skipped")
+                return 0, False
+            t0 = time.perf_counter()
+            ns = self._namespace(request)
+            store = self._shared.store
+            native = best = 0
+            if len(tokens) > 1:
+                native = store.match(self._spec, tokens, ns, return_kv=False).tokens
+                best = native
+                for source in self._shared.sources:
+                    best = max(best, store.match(source, tokens, ns, return_kv=False).tokens)
+            self._shared.count("lookups")
+            self._shared.count("lookup_seconds", time.perf_counter() - t0)
+            if best > native:
+                self._shared.count("lookup_hits_converted")
+            elif native:
+                self._shared.count("lookup_hits_native")
+            state = self._reqs[request.request_id] = _ReqState(tokens, ns, native, best)
+        # vLLM computes at least the last prompt token itself.
+        usable = min(state.best, len(state.tokens) - 1)
+        return max(0, usable - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is not None and num_external_tokens > 0:
+            state.external = int(num_external_tokens)
+            self._shared.count("tokens_promised", num_external_tokens)
+
+    def _plan(self, meta: KVBridgeConnectorMetadata, req_id: str, state: _ReqState,
+              num_computed: int, num_scheduled: int) -> None:
+        if state.external:
+            stop = num_computed  # computed = vLLM's own prefix + the promised tokens
+            meta.loads.append(LoadOp(req_id, state.tokens, state.namespace,
+                                     stop - state.external, stop, list(state.block_ids)))
+            state.external = 0
+        save_len = len(state.tokens) // self._chunk * self._chunk
+        have = state.best if self._options.write_back else state.native
+        if (not state.saved and save_len > have
+                and num_computed + num_scheduled >= len(state.tokens)):
+            nblocks = -(-save_len // self._block_size)
+            meta.saves.append(SaveOp(req_id, state.tokens[:save_len], state.namespace,
+                                     state.block_ids[:nblocks]))
+            state.saved = True
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KVBridgeConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan(meta, new.req_id, state, new.num_computed_tokens,
+                       scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            self._plan(meta, req_id, state, cached.num_computed_tokens[i],
+                       scheduled.get(req_id, 0))
+        return meta
+
+    def request_finished(self, request: "Request",
+                         block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # ----- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        if len(names) != self._spec.num_layers:
+            raise ValueError(f"KVBridgeConnector: {len(names)} attention layers with a KV "
+                             f"cache, but {self._spec.name} has {self._spec.num_layers}")
+        first = kv_caches[names[0]]
+        layout = self._options.layout or ("cpu" if first.device.type == "cpu" else "split")
+        if layout == "cpu":
+            check_cpu_layout(first.dtype, int(first.shape[1]), int(first.shape[2]),
+                             self._spec.head_dim)
+        want = getattr(torch, self._spec.dtype)
+        self._layers = []
+        for name in names:
+            kv = kv_caches[name]
+            if kv.dtype != want:
+                raise ValueError(f"KVBridgeConnector: layer {name} caches {kv.dtype}, the spec "
+                                 f"says {self._spec.dtype}")
+            self._layers.append(paged.kv_views(kv, layout, self._spec.head_dim))
+        logger.info("kvbridge: registered %d layers, layout %r, block size %d", len(names),
+                    layout, first.shape[2])
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBridgeConnectorMetadata) or not meta.loads:
+            return
+        for op in meta.loads:
+            self._failed_blocks |= self.load_op(op)
+
+    def load_op(self, op: LoadOp) -> Set[int]:
+        """Runs one load (counted); returns the ids of the blocks it could not fill."""
+        shared = self._shared
+        t0 = time.perf_counter()
+        loaded, converted, failed = load_into_blocks(shared.bridge, self._spec, self._layers,
+                                                     self._block_size, op)
+        shared.count("loads")
+        shared.count("load_seconds", time.perf_counter() - t0)
+        if loaded:
+            shared.count("tokens_loaded", loaded)
+            shared.count("loads_converted" if converted else "loads_native")
+        if failed:
+            shared.count("load_errors")
+            shared.count("failed_blocks", len(failed))
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # whole prompts are copied once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBridgeConnectorMetadata) or not meta.saves:
+            return
+        for op in meta.saves:
+            self.save_op(op)
+
+    def save_op(self, op: SaveOp) -> None:
+        """Copies a prompt out of the paged cache and queues it for the store."""
+        shared = self._shared
+        try:
+            if self._layers is None:
+                raise RuntimeError("no KV caches registered")
+            t0 = time.perf_counter()
+            kv = tuple(paged.gather(keys, values, op.block_ids, len(op.tokens))
+                       for keys, values in self._layers)
+            shared.count("save_copy_seconds", time.perf_counter() - t0)
+            shared.count("saves")
+            shared.submit_save(op.tokens, kv, op.namespace)
+        except Exception as e:
+            shared.count("save_errors")
+            logger.warning("kvbridge: save of request %s failed: %s", op.req_id, e)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+
+__all__ = ["COUNTERS", "KVBridgeConnector", "KVBridgeConnectorMetadata",
+           "KVBridgeConnectorStats", "LoadOp", "SaveOp", "TIMERS", "check_cpu_layout", "load_into_blocks"]

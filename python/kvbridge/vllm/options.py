@@ -1,0 +1,149 @@
+"""The connector's ``kv_connector_extra_config`` and the served model's ModelSpec.
+
+Kept free of vLLM imports so that both are testable without an engine.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from kvbridge import _core, specs
+
+#: Keys of the connector itself (every other key must be a StoreOptions field).
+CONNECTOR_KEYS = ("namespace", "adapters", "min_quality", "write_back", "model_name", "version",
+                  "tokenizer", "layout")
+#: Default memory tier of the connector's store.
+DEFAULT_CAPACITY_BYTES = 1 << 30
+_KV_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _store_option_names() -> Tuple[str, ...]:
+    o = _core.StoreOptions()
+    return tuple(n for n in dir(o) if not n.startswith("_") and not callable(getattr(o, n)))
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The parsed extra config.
+
+    store: StoreOptions fields by name (capacity_bytes defaults to DEFAULT_CAPACITY_BYTES,
+        chunk_tokens to the engine's block size); namespace: default tenant namespace;
+    adapters: adapter file paths (their target must be the served model); min_quality,
+        write_back: the Bridge's options; model_name, version, tokenizer: override the derived
+        ModelSpec fields; layout: the paged layout ("cpu" / "split"; default by device).
+    """
+
+    store: Tuple[Tuple[str, Any], ...]
+    namespace: str = "default"
+    adapters: Tuple[str, ...] = ()
+    min_quality: float = 0.5
+    write_back: bool = True
+    model_name: Optional[str] = None
+    version: Optional[str] = None
+    tokenizer: Optional[str] = None
+    layout: Optional[str] = None
+    chunk_tokens: int = 0
+
+
+def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> ConnectorOptions:
+    """Validates `extra` (kv_connector_extra_config); raises ValueError naming a bad key or
+    value."""
+    extra = dict(extra or {})
+    store_names = _store_option_names()
+    unknown = sorted(k for k in extra if k not in CONNECTOR_KEYS and k not in store_names)
+    if unknown:
+        raise ValueError(f"KVBridgeConnector: unknown kv_connector_extra_config key(s) {unknown}; "
+                         f"expected {sorted(CONNECTOR_KEYS)} or StoreOptions fields "
+                         f"{sorted(store_names)}")
+    probe = _core.StoreOptions()
+    store: Dict[str, Any] = {"capacity_bytes": DEFAULT_CAPACITY_BYTES,
+                             "chunk_tokens": int(block_size)}
+    for name in store_names:
+        if name in extra:
+            value = extra[name]
+            if name in ("disk_dir",) and value is not None:
+                value = os.fspath(value)
+            try:
+                setattr(probe, name, value)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"KVBridgeConnector: bad value {value!r} for {name!r}: {e}") \
+                    from None
+            store[name] = value
+    if int(store["chunk_tokens"]) <= 0:
+        raise ValueError(f"KVBridgeConnector: chunk_tokens must be positive, got "
+                         f"{store['chunk_tokens']}")
+    adapters = extra.get("adapters", ())
+    if isinstance(adapters, (str, os.PathLike)):
+        adapters = (adapters,)
+    if not isinstance(adapters, (list, tuple)):
+        raise ValueError("KVBridgeConnector: 'adapters' must be a list of adapter file paths, "
+                         f"got {type(adapters).__name__}")
+    for p in adapters:
+        if not os.path.isfile(os.fspath(p)):
+            raise ValueError(f"KVBridgeConnector: adapter file {os.fspath(p)!r} does not exist")
+    layout = extra.get("layout")
+    if layout is not None and layout not in ("cpu", "split"):
+        raise ValueError(f"KVBridgeConnector: layout must be 'cpu' or 'split', got {layout!r}")
+    namespace = extra.get("namespace", "default")
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"KVBridgeConnector: namespace must be a non-empty string, got "
+                         f"{namespace!r}")
+    for key in ("model_name", "version", "tokenizer"):
+        if extra.get(key) is not None and not isinstance(extra[key], str):
+            raise ValueError(f"KVBridgeConnector: {key} must be a string, got {extra[key]!r}")
+    try:
+        min_quality = float(extra.get("min_quality", 0.5))
+    except (TypeError, ValueError):
+        raise ValueError("KVBridgeConnector: min_quality must be a number, got "
+                         f"{extra.get('min_quality')!r}") from None
+    return ConnectorOptions(
+        store=tuple(sorted(store.items())), namespace=namespace,
+        adapters=tuple(os.path.abspath(os.fspath(p)) for p in adapters),
+        min_quality=min_quality, write_back=bool(extra.get("write_back", True)),
+        model_name=extra.get("model_name"), version=extra.get("version"),
+        tokenizer=extra.get("tokenizer"), layout=layout, chunk_tokens=int(store["chunk_tokens"]))
+
+
+def kv_dtype_name(model_dtype: Any, cache_dtype: str) -> str:
+    """The KV dtype of an engine: its cache_dtype, or the model dtype for "auto"."""
+    if cache_dtype in (None, "auto"):
+        if model_dtype not in _KV_DTYPES:
+            raise ValueError(f"KVBridgeConnector: model dtype {model_dtype} is not a KV dtype "
+                             "kvbridge stores (float32, bfloat16, float16)")
+        return _KV_DTYPES[model_dtype]
+    if cache_dtype in ("float32", "bfloat16", "float16"):
+        return cache_dtype
+    if cache_dtype in ("half",):
+        return "float16"
+    raise ValueError(f"KVBridgeConnector: kv cache dtype {cache_dtype!r} is not supported "
+                     "(float32, bfloat16, float16; quantized vLLM caches are not)")
+
+
+def engine_spec(hf_config: Any, model: str, tokenizer: Optional[str], served_name: Any,
+                model_dtype: Any, cache_dtype: str, options: ConnectorOptions) -> _core.ModelSpec:
+    """The served model's ModelSpec by the rules of kvbridge.specs.
+
+    model, tokenizer: vLLM's model and tokenizer paths (or hub names); served_name: vLLM's
+    served model name (a string or a list, the first is used).
+    Name: options.model_name, else the served name. Version: options.version, else
+    weights_version(model), else "<model>" (a hub name without a local folder). Tokenizer:
+    options.tokenizer, else tokenizer_id of the tokenizer folder, else of the model folder,
+    else the tokenizer's name.
+    """
+    if isinstance(served_name, (list, tuple)):
+        served_name = served_name[0] if served_name else None
+    name = options.model_name or served_name or model
+    version = options.version or specs.weights_version(model) or str(model)
+    tok = options.tokenizer
+    if tok is None:
+        tok = ((specs.tokenizer_id(tokenizer) if tokenizer else None)
+               or specs.tokenizer_id(model) or str(tokenizer or model))
+    return specs.spec_from_config(hf_config, str(name), kv_dtype_name(model_dtype, cache_dtype),
+                                  version=version, tokenizer=tok)
+
+
+__all__ = ["CONNECTOR_KEYS", "ConnectorOptions", "DEFAULT_CAPACITY_BYTES", "engine_spec",
+           "kv_dtype_name", "parse_options"]

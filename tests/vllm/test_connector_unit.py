@@ -1,0 +1,174 @@
+"""Parts of KVBridgeConnector that need no engine: extra-config validation, the ModelSpec
+derivation (against kvbridge.testbed and the shipped adapter's recorded specs), and the worker's
+load into paged blocks with the failures vLLM must recompute."""
+import pathlib
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import kvbridge  # noqa: E402
+from kvbridge import specs, testbed  # noqa: E402
+from kvbridge.vllm import connector, options, paged  # noqa: E402
+from kvbridge.vllm.testbed import ADAPTER  # noqa: E402
+
+
+
+def test_parse_options_defaults_and_store_fields(tmp_path):
+    o = options.parse_options({"disk_dir": tmp_path, "disk_capacity_bytes": 1 << 20,
+                               "namespace": "t1", "adapters": [str(ADAPTER)]}, block_size=32)
+    store = dict(o.store)
+    assert store["chunk_tokens"] == 32 and store["capacity_bytes"] == options.DEFAULT_CAPACITY_BYTES
+    assert store["disk_dir"] == str(tmp_path) and store["disk_capacity_bytes"] == 1 << 20
+    assert o.namespace == "t1" and o.adapters == (str(ADAPTER.resolve()),)
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"disk_directory": "/tmp"}, "unknown kv_connector_extra_config key"),
+    ({"chunk_tokens": 0}, "chunk_tokens must be positive"),
+    ({"eviction": "random"}, "bad value 'random' for 'eviction'"),
+    ({"adapters": ["/nonexistent/a_to_b.safetensors"]}, "does not exist"),
+    ({"adapters": 3}, "must be a list"),
+    ({"layout": "nhd"}, "layout must be"),
+    ({"namespace": ""}, "namespace must be"),
+    ({"min_quality": "high"}, "min_quality must be a number"),
+])
+def test_parse_options_rejects(extra, match):
+    with pytest.raises(ValueError, match=match):
+        options.parse_options(extra, block_size=32)
+
+
+def test_kv_dtype():
+    assert options.kv_dtype_name(torch.bfloat16, "auto") == "bfloat16"
+    assert options.kv_dtype_name(torch.float32, "float16") == "float16"
+    with pytest.raises(ValueError, match="fp8"):
+        options.kv_dtype_name(torch.bfloat16, "fp8")
+
+
+@pytest.mark.parametrize("name", testbed.MODEL_NAMES)
+def test_engine_spec_is_the_testbed_spec(name):
+    """What vLLM's config gives the connector (hf config, model and tokenizer paths, served
+    name, dtype) yields the testbed's spec, which is the shipped adapter's recorded one."""
+    from transformers import AutoConfig
+
+    folder = testbed.MODELS_DIR / name
+    spec = options.engine_spec(AutoConfig.from_pretrained(folder), str(folder),
+                               str(testbed.TOKENIZER_DIR), [name], torch.float32, "auto",
+                               options.parse_options({}, 32))
+    assert spec == testbed.load_model(name).spec
+    adapter = kvbridge.LinearAdapter.load(ADAPTER)
+    recorded = adapter.source if name == testbed.SOURCE_NAME else adapter.target
+    assert spec.fingerprint == recorded.fingerprint
+    assert spec.tokenizer == specs.tokenizer_id(testbed.TOKENIZER_DIR)
+    assert spec.version == specs.weights_version(folder)
+
+
+def test_spec_rules_for_other_folders(tmp_path):
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"a" * 10)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"b" * 20)
+    v = specs.weights_version(tmp_path)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"c" * 20)
+    assert specs.weights_version(tmp_path) != v       # content-hashed below the limit
+    assert specs.tokenizer_id(tmp_path) is None
+    (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+    t = specs.tokenizer_id(tmp_path)
+    assert t.startswith("tok-")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert specs.tokenizer_id(tmp_path) != t
+    assert specs.weights_version(tmp_path / "missing") is None
+
+
+SPEC = kvbridge.ModelSpec("unit", num_layers=2, num_kv_heads=3, head_dim=6, dtype="float32",
+                          version="v1", tokenizer="tok")
+BS = 4
+
+
+def paged_layers(num_blocks=9):
+    caches = [torch.zeros(num_blocks, SPEC.num_kv_heads, BS, 2 * SPEC.head_dim)
+              for _ in range(SPEC.num_layers)]
+    return caches, [paged.kv_views(c, "cpu", SPEC.head_dim) for c in caches]
+
+
+def stored_prompt(store, n_tokens, n_stored):
+    gen = torch.Generator().manual_seed(21)
+    tokens = list(range(100, 100 + n_tokens))
+    kv = tuple((torch.randn(1, 3, n_stored, 6, generator=gen),
+                torch.randn(1, 3, n_stored, 6, generator=gen)) for _ in range(2))
+    assert store.put(SPEC, tokens[:n_stored], kv) == n_stored
+    return tokens, kv
+
+
+def test_load_into_blocks_writes_the_promised_range():
+    store = kvbridge.KVStore(1 << 22, chunk_tokens=4)
+    bridge = kvbridge.Bridge(store)
+    tokens, kv = stored_prompt(store, 13, 12)
+    _, layers = paged_layers()
+    block_ids = [5, 2, 7, 1]
+    op = connector.LoadOp("r", tokens, "default", 3, 12, block_ids)
+    loaded, converted, failed = connector.load_into_blocks(bridge, SPEC, layers, BS, op)
+    assert (loaded, converted, failed) == (9, False, set())
+    for (keys, values), (k, v) in zip(layers, kv):
+        gk, gv = paged.gather(keys, values, block_ids, 12)
+        assert torch.equal(gk[:, :, 3:], k[:, :, 3:]) and torch.equal(gv[:, :, 3:], v[:, :, 3:])
+        assert not gk[:, :, :3].any()            # tokens before the range untouched
+
+
+def test_load_into_blocks_reports_what_it_could_not_deliver():
+    store = kvbridge.KVStore(1 << 22, chunk_tokens=4)
+    bridge = kvbridge.Bridge(store)
+    tokens, kv = stored_prompt(store, 13, 8)     # the scheduler promised 12, only 8 remain
+    _, layers = paged_layers()
+    block_ids = [5, 2, 7, 1]
+    op = connector.LoadOp("r", tokens, "default", 4, 12, block_ids)
+    loaded, _, failed = connector.load_into_blocks(bridge, SPEC, layers, BS, op)
+    assert loaded == 4 and failed == {7}
+    store.erase(SPEC, tokens[:8])                # now nothing is left
+    loaded, _, failed = connector.load_into_blocks(bridge, SPEC, layers, BS, op)
+    assert loaded == 0 and failed == {2, 7}
+    # no registered caches (or any other exception) fails every promised block, never raises
+    loaded, _, failed = connector.load_into_blocks(bridge, SPEC, None, BS, op)
+    assert loaded == 0 and failed == {2, 7}
+
+
+def test_stats_aggregate():
+    a = connector.KVBridgeConnectorStats(data={"loads": 2, "tokens_loaded": 64})
+    b = connector.KVBridgeConnectorStats(data={"loads": 1, "load_errors": 1})
+    assert a.aggregate(b).reduce() == {"loads": 3, "tokens_loaded": 64, "load_errors": 1}
+    assert not a.is_empty()
+    a.reset()
+    assert a.is_empty()
+
+
+def test_package_refuses_untested_vllm():
+    import kvbridge.vllm as kv_vllm
+
+    kv_vllm._check_version("0.32.0")
+    kv_vllm._check_version("0.32.1+cpu")
+    for bad in ("0.31.2", "1.0.0", "unknown"):
+        with pytest.raises(ImportError, match="tested with vLLM 0.32.0"):
+            kv_vllm._check_version(bad)
+    assert pathlib.Path(kv_vllm.__file__).parent.name == "vllm"
+
+
+def test_prometheus_counters_follow_the_stats():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+
+    def in_registry(cls):
+        return lambda *a, **kw: cls(*a, registry=registry, **kw)
+
+    types = {Gauge: in_registry(Gauge), Counter: in_registry(Counter),
+             Histogram: in_registry(Histogram)}
+    prom = connector.KVBridgeConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
+        {0: ["testbed-b", "0"]})
+    prom.observe({"tokens_loaded": 96, "loads_converted": 1, "load_errors": 0})
+    prom.observe({"tokens_loaded": 32})
+    labels = {"model_name": "testbed-b", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvbridge_tokens_loaded_total", labels) == 128
+    assert registry.get_sample_value("vllm:kvbridge_loads_converted_total", labels) == 1
+    assert registry.get_sample_value("vllm:kvbridge_load_errors_total", labels) == 0
