@@ -8,7 +8,8 @@ VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 
 DEB_PACKAGES=(g++ libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev libeigen3-dev
-  nlohmann-json3-dev libhiredis-dev libssl-dev redis-server fortunes clang-14 libomp-14-dev)
+  nlohmann-json3-dev libhiredis-dev libssl-dev redis-server fortunes clang-14 libomp-14-dev
+  libopenblas-openmp-dev)
 PIP_PACKAGES=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "xxhash>=3" "safetensors>=0.4"
   "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja tqdm transformers==5.24.0
   tokenizers==0.23.3 matplotlib)

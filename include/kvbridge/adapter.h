@@ -182,9 +182,16 @@ class LinearAdapter {
 /// accumulators would take about 100 GiB; the probe takes 4 GiB, and every candidate costs about
 /// 64 MiB for its K/V cross products plus 64 MiB per new layer pair, so the default 8 GiB keeps
 /// about two candidates per target layer.
-/// Time: add() is O(tokens * (U * Fl + B * Fl^2 / U + sum_j |C_j| * Fl * 2 * O)); fit() does one
-/// eigendecomposition of size |S| * Fl per target layer and candidate set S, so kAuto costs about
-/// Lt * |C_j| * max_source_layers of them, and next_pass() Ls of size Fl.
+/// Time: add() is O(tokens * (U * Fl + B * Fl^2 + sum_j |C_j| * Fl * 2 * O)) in float64 BLAS
+/// products (dsyrk for the diagonal blocks, dgemm for the rest), independent products running in
+/// parallel on omp_get_max_threads() threads. fit() does one eigendecomposition (LAPACK dsyevd)
+/// of size |S| * Fl per distinct candidate set S, shared by every target layer that tries S
+/// (kAll: one in all; kAuto's first round: one per source layer) and by every ridge strength;
+/// independent sets run in parallel, a lone one on threaded LAPACK. Per (target layer, set) it
+/// adds O(|S| Fl * (|S| Fl + 2 O) * 2 O) of products. kAuto tries sets a round of greedy
+/// selection at a time, about sum_j |C_j| * max_source_layers of them in all; next_pass() does
+/// Ls eigendecompositions of size Fl. fit() holds, per set in progress, about 8 (|S| Fl)^2 float64
+/// temporaries, plus float32 weights of each target layer's current and best sets.
 class AdapterFitter {
  public:
   /// Throws InvalidArgument for bad specs or options, including accumulators over

@@ -1,11 +1,16 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
+#include <exception>
+#include <functional>
 #include <limits>
+#include <map>
+#include <mutex>
 
 #include "kvbridge/adapter.h"
 #include "kvbridge/error.h"
 #include "src/adapter/adapter_impl.h"
+#include "src/adapter/lapack.h"
 #include "src/adapter/numeric.h"
 
 namespace kvbridge {
@@ -47,9 +52,27 @@ MatD unrotated_rows(const ModelSpec& spec, const std::vector<double>& inv_freq, 
 struct MapFit {
   double r2 = -std::numeric_limits<double>::infinity();
   double ridge = 0;
-  MatD weights;  // [F, O]
+  MatD weights;  // [F, O], only when solved
   VecD bias;     // [O]
 };
+
+// Runs body(i) for i in [0, n) on the OpenMP threads, one call per thread at a time (their BLAS
+// calls then run single-threaded: parallelism across independent products, which keeps every
+// core busy without fine-grained synchronisation). Rethrows the first exception afterwards.
+template <class Body>
+void parallel_for(int64_t n, const Body& body) {
+  std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    try {
+      body(i);
+    } catch (...) {
+#pragma omp critical(kvbridge_fitter_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
 
 // What ridge fits of any output need from one feature set: the eigenbasis of the training
 // covariance and the held-out covariance in that basis. One eigendecomposition serves every
@@ -57,61 +80,117 @@ struct MapFit {
 struct RidgeBasis {
   double n = 0, nh = 0;  // training / held-out token counts
   VecD mu, sxh;          // training mean, held-out sum [F]
-  MatD Q;                // eigenvectors [F, F]
+  MatD Qt;               // eigenvectors as rows [F, F] (Q^T)
   VecD lambda;           // eigenvalues, clamped at 0
   double scale = 1;      // mean feature variance: ridge strengths are relative to it
   MatD M;                // Q^T covh Q, covh the held-out scatter about the training mean
 };
 
-// xx and xxh are raw sums over tokens of x x^T (full symmetric), sx and sxh of x.
-RidgeBasis make_basis(double n, const VecD& sx, const MatD& xx, double nh, const VecD& sxh,
-                      const MatD& xxh) {
+// xx and xxh are raw sums over tokens of x x^T (full symmetric), sx and sxh of x. Consumes xx
+// and xxh (their storage is reused).
+RidgeBasis make_basis(double n, const VecD& sx, MatD&& xx, double nh, const VecD& sxh,
+                      MatD&& xxh) {
   RidgeBasis b;
+  const int64_t F = sx.size();
   b.n = n;
   b.nh = nh;
   b.mu = sx / n;
   b.sxh = sxh;
-  const MatD cov = xx / n - b.mu * b.mu.transpose();
-  const MatD covh =
-      xxh - b.mu * sxh.transpose() - sxh * b.mu.transpose() + nh * b.mu * b.mu.transpose();
-  Eigen::SelfAdjointEigenSolver<MatD> eig(cov);
-  b.Q = eig.eigenvectors();
-  b.lambda = eig.eigenvalues().cwiseMax(0.0);
-  b.scale = std::max(cov.trace() / static_cast<double>(sx.size()), 1e-300);
-  b.M = b.Q.transpose() * covh * b.Q;
+  MatD& cov = xx;
+  cov /= n;
+  cov.noalias() -= b.mu * b.mu.transpose();
+  b.scale = std::max(cov.trace() / static_cast<double>(F), 1e-300);
+  MatD& covh = xxh;
+  covh.noalias() -= b.mu * sxh.transpose();
+  covh.noalias() -= sxh * b.mu.transpose();
+  covh.noalias() += nh * b.mu * b.mu.transpose();
+  std::vector<double> w;
+  detail::lapack::syevd(F, cov.data(), w);
+  b.Qt = std::move(cov);
+  b.lambda = Eigen::Map<const VecD>(w.data(), F).cwiseMax(0.0);
+  MatD t(F, F);
+  detail::lapack::gemm(false, false, F, F, F, 1, b.Qt.data(), F, covh.data(), F, 0, t.data(), F);
+  covh = MatD();
+  b.M.resize(F, F);
+  detail::lapack::gemm(false, true, F, F, F, 1, t.data(), F, b.Qt.data(), F, 0, b.M.data(), F);
   return b;
 }
 
-// The ridge map of one output block: sy [O] and xy [F, O] are raw training sums, syh, xyh and
-// yyh (sum of squares) held-out ones. Scores every ridge in `grid` by held-out R² in closed form;
-// solves for the weights of the best one only if `keep`.
-MapFit fit_map(const RidgeBasis& b, const VecD& sy, const MatD& xy, const VecD& syh,
-               const MatD& xyh, double yyh, const std::vector<double>& grid, bool keep) {
-  const VecD mu_y = sy / b.n;
-  const MatD G = xy / b.n - b.mu * mu_y.transpose();
-  const MatD Dh = xyh - b.mu * syh.transpose() - b.sxh * mu_y.transpose() +
-                  b.nh * b.mu * mu_y.transpose();
-  const MatD P = b.Q.transpose() * G;
-  const VecD u = (P.cwiseProduct(b.Q.transpose() * Dh)).rowwise().sum();
-  const MatD H = b.M.cwiseProduct(P * P.transpose());
-  const double e = yyh - 2 * mu_y.dot(syh) + b.nh * mu_y.squaredNorm();
-  const double sst = std::max(yyh - syh.squaredNorm() / b.nh, 1e-300);
-  MapFit best;
-  for (double alpha : grid) {
-    const VecD d = (b.lambda.array() + alpha * b.scale).inverse();
-    const double sse = std::max(e - 2 * d.dot(u) + d.dot(H * d), 0.0);  // >= 0 but for rounding
-    const double r2 = 1 - sse / sst;
-    if (r2 > best.r2) {
-      best.r2 = r2;
-      best.ridge = alpha;
+// Held-out scores of `maps` ridge maps of `width` outputs each on one basis: sy [maps * width]
+// and xy [F, maps * width] are raw training sums, syh, xyh and yyh [maps] (sums of squares)
+// held-out ones; map k owns columns [k * width, (k + 1) * width). Every ridge in `grid` is
+// scored by held-out R² in closed form; keeps what solve_maps needs for the best one's weights.
+struct MapScores {
+  VecD mu_y;  // training mean of the outputs
+  MatD P;     // Q^T G [F, maps * width], G the training cross-covariance
+  std::vector<MapFit> fits;
+};
+
+MapScores score_maps(const RidgeBasis& b, const VecD& sy, const MatD& xy, const VecD& syh,
+                     const MatD& xyh, const VecD& yyh, int64_t width,
+                     const std::vector<double>& grid) {
+  const int64_t F = b.mu.size(), C = xy.cols(), maps = C / width,
+                A = static_cast<int64_t>(grid.size());
+  MapScores s;
+  s.mu_y = sy / b.n;
+  MatD g = xy / b.n;
+  g.noalias() -= b.mu * s.mu_y.transpose();
+  s.P.resize(F, C);
+  detail::lapack::gemm(false, false, F, C, F, 1, b.Qt.data(), F, g.data(), C, 0, s.P.data(), C);
+  MatD& dh = g;  // held-out cross-scatter about the training means
+  dh = xyh;
+  dh.noalias() -= b.mu * syh.transpose();
+  dh.noalias() -= b.sxh * s.mu_y.transpose();
+  dh.noalias() += b.nh * b.mu * s.mu_y.transpose();
+  MatD qdh(F, C);
+  detail::lapack::gemm(false, false, F, C, F, 1, b.Qt.data(), F, dh.data(), C, 0, qdh.data(), C);
+  MatD d(F, A);  // d(i, a) = 1 / (lambda_i + grid[a] * scale)
+  for (int64_t a = 0; a < A; ++a)
+    d.col(a) = (b.lambda.array() + grid[static_cast<size_t>(a)] * b.scale).inverse();
+  MatD h(F, F), hd(F, A);
+  for (int64_t k = 0; k < maps; ++k) {
+    const auto pk = s.P.middleCols(k * width, width);
+    const VecD u = pk.cwiseProduct(qdh.middleCols(k * width, width)).rowwise().sum();
+    // H = M o (P_k P_k^T): the held-out quadratic term of every ridge in the eigenbasis.
+    detail::lapack::syrk_upper(false, F, width, 1, s.P.data() + k * width, C, 0, h.data(), F);
+    for (int64_t i = 0; i < F; ++i) {
+      h(i, i) *= b.M(i, i);
+      for (int64_t c = i + 1; c < F; ++c) h(c, i) = h(i, c) *= b.M(i, c);
     }
+    detail::lapack::gemm(false, false, F, A, F, 1, h.data(), F, d.data(), A, 0, hd.data(), A);
+    const auto mu_k = s.mu_y.segment(k * width, width);
+    const auto syh_k = syh.segment(k * width, width);
+    const double e = yyh[k] - 2 * mu_k.dot(syh_k) + b.nh * mu_k.squaredNorm();
+    const double sst = std::max(yyh[k] - syh_k.squaredNorm() / b.nh, 1e-300);
+    MapFit best;
+    for (int64_t a = 0; a < A; ++a) {
+      // >= 0 but for rounding, which could otherwise give an R² above 1 (refused on load).
+      const double sse = std::max(e - 2 * d.col(a).dot(u) + d.col(a).dot(hd.col(a)), 0.0);
+      const double r2 = 1 - sse / sst;
+      if (r2 > best.r2) {
+        best.r2 = r2;
+        best.ridge = grid[static_cast<size_t>(a)];
+      }
+    }
+    s.fits.push_back(std::move(best));
   }
-  if (keep) {
-    const VecD d = (b.lambda.array() + best.ridge * b.scale).inverse();
-    best.weights = b.Q * d.asDiagonal() * P;
-    best.bias = mu_y - best.weights.transpose() * b.mu;
+  return s;
+}
+
+// The weights and biases of the scored maps at their chosen ridge strengths.
+void solve_maps(const RidgeBasis& b, MapScores& s, int64_t width) {
+  const int64_t F = b.mu.size();
+  MatD dp(F, width);
+  for (size_t k = 0; k < s.fits.size(); ++k) {
+    MapFit& f = s.fits[k];
+    const int64_t col = static_cast<int64_t>(k) * width;
+    dp = (b.lambda.array() + f.ridge * b.scale).inverse().matrix().asDiagonal() *
+         s.P.middleCols(col, width);
+    f.weights.resize(F, width);
+    detail::lapack::gemm(true, false, F, width, F, 1, b.Qt.data(), F, dp.data(), width, 0,
+                         f.weights.data(), width);
+    f.bias = s.mu_y.segment(col, width) - f.weights.transpose() * b.mu;
   }
-  return best;
 }
 
 MatD symmetric_from_upper(const MatD& upper) { return upper.selfadjointView<Eigen::Upper>(); }
@@ -271,116 +350,198 @@ struct AdapterFitter::Impl {
     tokens_seen = 0;
   }
 
-  // Target layer j's K and V maps from source layers S (ascending, a subset of the plan's
-  // candidates for j), scored on held-out tokens for every ridge strength.
-  struct Candidate {
-    std::vector<int64_t> layers;
-    RidgeBasis basis;
-    MatD xy, xyh;               // [F, 2 * O]: features against keys then values
-    std::array<MapFit, 2> fits;  // K, V: best ridge and held-out R², no weights yet
-    double score() const { return 0.5 * (fits[0].r2 + fits[1].r2); }
+  // The training and held-out sums of the features of source layers S (ascending, a subset of
+  // one target layer's candidates), gathered from the plan's blocks.
+  struct SetSums {
+    VecD sx, sxh;
+    MatD xx, xxh;  // full symmetric
   };
-
-  Candidate evaluate(int64_t j, const std::vector<int64_t>& S) const {
-    const int64_t Fl = layer_features, O = outputs, F = static_cast<int64_t>(S.size()) * Fl;
-    const auto& C = plan.candidates[static_cast<size_t>(j)];
-    const size_t jj = static_cast<size_t>(j);
-    Candidate out;
-    out.layers = S;
-    VecD sx(F), sxh(F);
-    MatD xx(F, F), xxh(F, F);
-    out.xy.resize(F, 2 * O);
-    out.xyh.resize(F, 2 * O);
+  SetSums gather(const std::vector<int64_t>& S) const {
+    const int64_t Fl = layer_features, F = static_cast<int64_t>(S.size()) * Fl;
+    SetSums g{VecD(F), VecD(F), MatD(F, F), MatD(F, F)};
     for (size_t a = 0; a < S.size(); ++a) {
       const int64_t sa = plan.slot(S[a]), ra = static_cast<int64_t>(a) * Fl;
-      const size_t ca = static_cast<size_t>(std::find(C.begin(), C.end(), S[a]) - C.begin());
-      sx.segment(ra, Fl) = train.sx[static_cast<size_t>(sa)];
-      sxh.segment(ra, Fl) = held.sx[static_cast<size_t>(sa)];
-      out.xy.middleRows(ra, Fl) = train.xy[jj][ca];
-      out.xyh.middleRows(ra, Fl) = held.xy[jj][ca];
+      g.sx.segment(ra, Fl) = train.sx[static_cast<size_t>(sa)];
+      g.sxh.segment(ra, Fl) = held.sx[static_cast<size_t>(sa)];
       for (size_t b = a; b < S.size(); ++b) {
         const int64_t rb = static_cast<int64_t>(b) * Fl;
         const size_t k = static_cast<size_t>(plan.block(sa, plan.slot(S[b])));
         if (a == b) {
-          xx.block(ra, ra, Fl, Fl) = symmetric_from_upper(train.xx[k]);
-          xxh.block(ra, ra, Fl, Fl) = symmetric_from_upper(held.xx[k]);
+          g.xx.block(ra, ra, Fl, Fl) = symmetric_from_upper(train.xx[k]);
+          g.xxh.block(ra, ra, Fl, Fl) = symmetric_from_upper(held.xx[k]);
         } else {  // S ascending, so slot a < slot b: the block is X_a^T X_b
-          xx.block(ra, rb, Fl, Fl) = train.xx[k];
-          xx.block(rb, ra, Fl, Fl) = train.xx[k].transpose();
-          xxh.block(ra, rb, Fl, Fl) = held.xx[k];
-          xxh.block(rb, ra, Fl, Fl) = held.xx[k].transpose();
+          g.xx.block(ra, rb, Fl, Fl) = train.xx[k];
+          g.xx.block(rb, ra, Fl, Fl) = train.xx[k].transpose();
+          g.xxh.block(ra, rb, Fl, Fl) = held.xx[k];
+          g.xxh.block(rb, ra, Fl, Fl) = held.xx[k].transpose();
         }
       }
     }
-    out.basis = make_basis(static_cast<double>(train.n), sx, xx, static_cast<double>(held.n),
-                           sxh, xxh);
-    for (int kind = 0; kind < 2; ++kind)
-      out.fits[static_cast<size_t>(kind)] = map(j, out, kind, /*keep=*/false);
-    return out;
+    return g;
   }
 
-  MapFit map(int64_t j, const Candidate& c, int kind, bool keep) const {
-    const int64_t O = outputs;
+  RidgeBasis basis(const std::vector<int64_t>& S) const {
+    SetSums g = gather(S);
+    return make_basis(static_cast<double>(train.n), g.sx, std::move(g.xx),
+                      static_cast<double>(held.n), g.sxh, std::move(g.xxh));
+  }
+
+  // Target layer j's K and V maps (columns [0, O) and [O, 2 O)) on the basis of layers S.
+  MapScores score(int64_t j, const std::vector<int64_t>& S, const RidgeBasis& b) const {
+    const int64_t Fl = layer_features, O = outputs, F = static_cast<int64_t>(S.size()) * Fl;
     const size_t jj = static_cast<size_t>(j);
-    return fit_map(c.basis, train.sy[jj].segment(kind * O, O), c.xy.middleCols(kind * O, O),
-                   held.sy[jj].segment(kind * O, O), c.xyh.middleCols(kind * O, O),
-                   held.yy[jj][static_cast<size_t>(kind)], options.ridge_grid, keep);
+    const auto& C = plan.candidates[jj];
+    MatD xy(F, 2 * O), xyh(F, 2 * O);
+    for (size_t a = 0; a < S.size(); ++a) {
+      const size_t ca = static_cast<size_t>(std::find(C.begin(), C.end(), S[a]) - C.begin());
+      xy.middleRows(static_cast<int64_t>(a) * Fl, Fl) = train.xy[jj][ca];
+      xyh.middleRows(static_cast<int64_t>(a) * Fl, Fl) = held.xy[jj][ca];
+    }
+    const VecD yyh = Eigen::Vector2d(held.yy[jj][0], held.yy[jj][1]);
+    return score_maps(b, train.sy[jj], xy, held.sy[jj], xyh, yyh, O, options.ridge_grid);
   }
 
-  // The layers fit() uses for target layer j, with their basis (not recomputed for the weights).
-  Candidate select(int64_t j) const {
-    const auto& C = plan.candidates[static_cast<size_t>(j)];
-    if (options.selection != FitOptions::Selection::kAuto) return evaluate(j, C);
-    // Greedy forward selection on held-out R², never on in-sample fit (which only rises).
-    Candidate chosen;
-    double current = -std::numeric_limits<double>::infinity();
-    while (static_cast<int64_t>(chosen.layers.size()) < options.max_source_layers) {
-      Candidate best;
-      bool found = false;
-      for (int64_t l : C) {
-        if (std::find(chosen.layers.begin(), chosen.layers.end(), l) != chosen.layers.end())
-          continue;
-        std::vector<int64_t> trial = chosen.layers;
-        trial.insert(std::lower_bound(trial.begin(), trial.end(), l), l);
-        Candidate c = evaluate(j, trial);
-        if (!found || c.score() > best.score()) {
-          best = std::move(c);
-          found = true;
-        }
+  // A target layer's maps from one set of source layers, with float32 weights as the adapter
+  // keeps them.
+  struct Choice {
+    std::vector<int64_t> layers;
+    std::array<MapFit, 2> fits;  // K, V: ridge and held-out R² (weights moved out)
+    std::array<std::vector<float>, 2> weights, bias;
+    double score = -std::numeric_limits<double>::infinity();  // mean held-out R² of K and V
+    int64_t rank = -1;  // position among the trials it won against; -1: none yet
+  };
+
+  // One selection round: trials[j] lists target layer j's candidate sets, in order of preference
+  // on ties. Every distinct set is factorised once (sets that several target layers try are
+  // shared); independent sets run on separate threads. Returns per target layer the trial with
+  // the best score (the first of equal ones), with its weights; rank -1 where it had none.
+  std::vector<Choice> best_of(const std::vector<std::vector<std::vector<int64_t>>>& trials) const {
+    std::map<std::vector<int64_t>, std::vector<std::pair<int64_t, int64_t>>> users;
+    for (size_t j = 0; j < trials.size(); ++j)
+      for (size_t i = 0; i < trials[j].size(); ++i)
+        users[trials[j][i]].emplace_back(static_cast<int64_t>(j), static_cast<int64_t>(i));
+    std::vector<const std::pair<const std::vector<int64_t>,
+                                std::vector<std::pair<int64_t, int64_t>>>*>
+        sets;
+    for (const auto& e : users) sets.push_back(&e);
+    std::vector<Choice> best(trials.size());
+    std::mutex mutex;
+    const auto order = [](double score) { return std::isnan(score) ? -HUGE_VAL : score; };
+    const auto beats = [&](int64_t j, double score, int64_t rank) {
+      const Choice& b = best[static_cast<size_t>(j)];
+      return b.rank < 0 || order(score) > order(b.score) ||
+             (order(score) == order(b.score) && rank < b.rank);
+    };
+    const auto consider = [&](const std::vector<int64_t>& S, const RidgeBasis& b, int64_t j,
+                              int64_t rank) {
+      MapScores s = score(j, S, b);
+      const double sc = 0.5 * (s.fits[0].r2 + s.fits[1].r2);
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!beats(j, sc, rank)) return;
       }
-      if (!found || (!chosen.layers.empty() && best.score() < current + 1e-4)) break;
-      current = best.score();
-      chosen = std::move(best);
+      solve_maps(b, s, outputs);
+      Choice c;
+      c.layers = S;
+      c.score = sc;
+      c.rank = rank;
+      for (size_t kind = 0; kind < 2; ++kind) {
+        MapFit& f = s.fits[kind];
+        c.weights[kind].resize(static_cast<size_t>(f.weights.size()));
+        Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+            c.weights[kind].data(), f.weights.rows(), f.weights.cols()) = f.weights.cast<float>();
+        c.bias[kind].resize(static_cast<size_t>(f.bias.size()));
+        Eigen::Map<Eigen::VectorXf>(c.bias[kind].data(), f.bias.size()) = f.bias.cast<float>();
+        f.weights = MatD();
+        f.bias = VecD();
+        c.fits[kind] = std::move(f);
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      if (beats(j, sc, rank)) best[static_cast<size_t>(j)] = std::move(c);
+    };
+    if (sets.size() == 1) {  // one factorisation on every thread, then its users in parallel
+      const RidgeBasis b = basis(sets[0]->first);
+      const auto& u = sets[0]->second;
+      parallel_for(static_cast<int64_t>(u.size()), [&](int64_t i) {
+        consider(sets[0]->first, b, u[static_cast<size_t>(i)].first,
+                 u[static_cast<size_t>(i)].second);
+      });
+    } else {
+      parallel_for(static_cast<int64_t>(sets.size()), [&](int64_t i) {
+        const auto& [S, u] = *sets[static_cast<size_t>(i)];
+        const RidgeBasis b = basis(S);
+        for (const auto& [j, rank] : u) consider(S, b, j, rank);
+      });
+    }
+    return best;
+  }
+
+  // The layers and maps fit() uses for every target layer.
+  std::vector<Choice> select() const {
+    const int64_t Lt = target.num_layers;
+    std::vector<std::vector<std::vector<int64_t>>> trials(static_cast<size_t>(Lt));
+    if (options.selection != FitOptions::Selection::kAuto) {
+      for (int64_t j = 0; j < Lt; ++j)
+        trials[static_cast<size_t>(j)] = {plan.candidates[static_cast<size_t>(j)]};
+      return best_of(trials);
+    }
+    // Greedy forward selection on held-out R², never on in-sample fit (which only rises), run
+    // for all target layers a round at a time so that shared sets are factorised once.
+    std::vector<Choice> chosen(static_cast<size_t>(Lt));
+    std::vector<bool> open(static_cast<size_t>(Lt), true);
+    for (;;) {
+      bool any = false;
+      for (int64_t j = 0; j < Lt; ++j) {
+        const size_t jj = static_cast<size_t>(j);
+        trials[jj].clear();
+        const auto& have = chosen[jj].layers;
+        if (!open[jj] || static_cast<int64_t>(have.size()) >= options.max_source_layers) {
+          open[jj] = false;
+          continue;
+        }
+        for (int64_t l : plan.candidates[jj]) {
+          if (std::find(have.begin(), have.end(), l) != have.end()) continue;
+          std::vector<int64_t> trial = have;
+          trial.insert(std::lower_bound(trial.begin(), trial.end(), l), l);
+          trials[jj].push_back(std::move(trial));
+        }
+        if (trials[jj].empty())
+          open[jj] = false;
+        else
+          any = true;
+      }
+      if (!any) break;
+      std::vector<Choice> best = best_of(trials);
+      for (size_t jj = 0; jj < trials.size(); ++jj) {
+        if (trials[jj].empty()) continue;
+        if (!chosen[jj].layers.empty() && best[jj].score < chosen[jj].score + 1e-4)
+          open[jj] = false;
+        else
+          chosen[jj] = std::move(best[jj]);
+      }
     }
     return chosen;
   }
 
   // Held-out R² (mean of K and V, on the sketched outputs) of every source layer alone for
-  // every target layer: score[j][l].
+  // every target layer: score[j][l]. One factorisation per source layer, layers in parallel.
   std::vector<std::vector<double>> probe_scores() const {
-    const int64_t Ls = source.num_layers, Lt = target.num_layers, r = sketch_width;
+    const int64_t Ls = source.num_layers, Lt = target.num_layers;
     std::vector<std::vector<double>> score(static_cast<size_t>(Lt),
                                            std::vector<double>(static_cast<size_t>(Ls)));
-    for (int64_t l = 0; l < Ls; ++l) {
+    parallel_for(Ls, [&](int64_t l) {
       const size_t ll = static_cast<size_t>(l);
-      const RidgeBasis basis = make_basis(
+      const RidgeBasis b = make_basis(
           static_cast<double>(probe_train.n), probe_train.sx[ll],
           symmetric_from_upper(probe_train.xx[ll]), static_cast<double>(probe_held.n),
           probe_held.sx[ll], symmetric_from_upper(probe_held.xx[ll]));
-      for (int64_t j = 0; j < Lt; ++j) {
-        double sum = 0;
-        for (int64_t kind = 0; kind < 2; ++kind) {
-          const int64_t map = 2 * j + kind;
-          sum += fit_map(basis, probe_train.sz.segment(map * r, r),
-                         probe_train.xz[ll].middleCols(map * r, r),
-                         probe_held.sz.segment(map * r, r),
-                         probe_held.xz[ll].middleCols(map * r, r), probe_held.zz[map],
-                         options.ridge_grid, false)
-                     .r2;
-        }
-        score[static_cast<size_t>(j)][ll] = 0.5 * sum;
-      }
-    }
+      const MapScores s = score_maps(b, probe_train.sz, probe_train.xz[ll], probe_held.sz,
+                                     probe_held.xz[ll], probe_held.zz, sketch_width,
+                                     options.ridge_grid);
+      for (int64_t j = 0; j < Lt; ++j)
+        score[static_cast<size_t>(j)][ll] = 0.5 * (s.fits[static_cast<size_t>(2 * j)].r2 +
+                                                   s.fits[static_cast<size_t>(2 * j + 1)].r2);
+    });
     return score;
   }
 };
@@ -480,6 +641,8 @@ void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos)
   const int64_t T = src.tokens();
   detail::check_positions(start_pos, T);
   if (T == 0) return;
+  KVB_CHECK(T <= std::numeric_limits<int>::max(),
+            "add: " << T << " tokens in one sample; add at most 2^31 - 1 at a time");
   const int64_t Fl = m.layer_features, O = m.outputs, Lt = m.target.num_layers;
   const bool probing = m.probing();
   std::vector<int64_t> layers;
@@ -488,71 +651,107 @@ void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos)
   } else {
     layers = m.plan.slots;
   }
+  // The held-out split first: training rows go to the top of X and Y, held-out rows below, so
+  // each part is one contiguous block of rows for the products.
+  std::vector<int64_t> dest(static_cast<size_t>(T));
+  int64_t n_train = 0;
+  {
+    std::vector<int> is_held(static_cast<size_t>(T));
+    for (size_t t = 0; t < is_held.size(); ++t) {
+      const uint64_t h = splitmix64(m.options.seed ^ splitmix64(m.tokens_seen + t));
+      is_held[t] = static_cast<double>(h >> 11) * 0x1.0p-53 < m.options.holdout;
+      n_train += 1 - is_held[t];
+    }
+    int64_t next[2] = {0, n_train};
+    for (size_t t = 0; t < is_held.size(); ++t) dest[t] = next[is_held[t]]++;
+  }
   // Everything is computed before anything is accumulated, so a bad sample changes nothing.
   MatD X(T, static_cast<int64_t>(layers.size()) * Fl);
   for (size_t s = 0; s < layers.size(); ++s)
-    X.middleCols(static_cast<int64_t>(s) * Fl, Fl) = unrotated_rows(
+    X(dest, Eigen::seqN(static_cast<int64_t>(s) * Fl, Fl)) = unrotated_rows(
         m.source, m.source_inv_freq, m.options.rope_aware, src, layers[s], start_pos);
   MatD Y(T, Lt * 2 * O);  // target layer j's keys then values at columns j * 2O
   for (int64_t j = 0; j < Lt; ++j)
-    Y.middleCols(j * 2 * O, 2 * O) =
+    Y(dest, Eigen::seqN(j * 2 * O, 2 * O)) =
         unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, tgt, j, start_pos);
   if (probing) {
     const int64_t r = m.sketch_width;
     MatD Z(T, m.maps() * r);
     for (int64_t map = 0; map < m.maps(); ++map)
-      Z.middleCols(map * r, r).noalias() = Y.middleCols(map * O, O) * m.sketch;
+      detail::lapack::gemm(false, false, T, r, O, 1, Y.data() + map * O, Y.cols(),
+                           m.sketch.data(), r, 0, Z.data() + map * r, Z.cols());
     Y = std::move(Z);
   }
+  m.tokens_seen += static_cast<uint64_t>(T);
 
-  std::vector<int64_t> rows[2];
-  for (int64_t t = 0; t < T; ++t) {
-    const uint64_t h = splitmix64(m.options.seed ^ splitmix64(m.tokens_seen++));
-    const bool is_held = static_cast<double>(h >> 11) * 0x1.0p-53 < m.options.holdout;
-    rows[is_held].push_back(t);
-  }
+  // The products, each a BLAS call of its own, run in parallel across threads; the sums are
+  // cheap and done here.
+  const int64_t ldx = X.cols(), ldy = Y.cols();
+  std::vector<std::function<void()>> products;
   for (int part = 0; part < 2; ++part) {
-    if (rows[part].empty()) continue;
-    const MatD Xp = X(rows[part], Eigen::all);
-    const MatD Yp = Y(rows[part], Eigen::all);
+    const int64_t first = part ? n_train : 0, rows = part ? T - n_train : n_train;
+    if (rows == 0) continue;
+    const double* Xp = X.data() + first * ldx;
+    const double* Yp = Y.data() + first * ldy;
+    const auto Xs = X.middleRows(first, rows);
+    const auto Ys = Y.middleRows(first, rows);
     if (probing) {
       ProbeMoments& acc = part ? m.probe_held : m.probe_train;
       const int64_t r = m.sketch_width;
-      acc.n += static_cast<int64_t>(rows[part].size());
-      acc.sz += Yp.colwise().sum().transpose();
+      acc.n += rows;
+      acc.sz += Ys.colwise().sum().transpose();
       for (int64_t map = 0; map < m.maps(); ++map)
-        acc.zz[map] += Yp.middleCols(map * r, r).squaredNorm();
+        acc.zz[map] += Ys.middleCols(map * r, r).squaredNorm();
       for (size_t l = 0; l < layers.size(); ++l) {
-        const auto Xl = Xp.middleCols(static_cast<int64_t>(l) * Fl, Fl);
-        acc.sx[l] += Xl.colwise().sum().transpose();
-        acc.xx[l].selfadjointView<Eigen::Upper>().rankUpdate(Xl.transpose());
-        acc.xz[l].noalias() += Xl.transpose() * Yp;
+        const int64_t col = static_cast<int64_t>(l) * Fl;
+        acc.sx[l] += Xs.middleCols(col, Fl).colwise().sum().transpose();
+        double* xx = acc.xx[l].data();
+        double* xz = acc.xz[l].data();
+        const int64_t zc = acc.xz[l].cols();
+        products.emplace_back(
+            [=] { detail::lapack::syrk_upper(true, Fl, rows, 1, Xp + col, ldx, 1, xx, Fl); });
+        products.emplace_back([=] {
+          detail::lapack::gemm(true, false, Fl, zc, rows, 1, Xp + col, ldx, Yp, ldy, 1, xz, zc);
+        });
       }
       continue;
     }
     BlockMoments& acc = part ? m.held : m.train;
-    acc.n += static_cast<int64_t>(rows[part].size());
+    acc.n += rows;
     for (size_t s = 0; s < layers.size(); ++s)
-      acc.sx[s] += Xp.middleCols(static_cast<int64_t>(s) * Fl, Fl).colwise().sum().transpose();
+      acc.sx[s] += Xs.middleCols(static_cast<int64_t>(s) * Fl, Fl).colwise().sum().transpose();
     for (size_t k = 0; k < m.plan.blocks.size(); ++k) {
       const auto [a, b] = m.plan.blocks[k];
-      const auto Xa = Xp.middleCols(a * Fl, Fl);
+      double* xx = acc.xx[k].data();
       if (a == b)
-        acc.xx[k].selfadjointView<Eigen::Upper>().rankUpdate(Xa.transpose());
+        products.emplace_back([=] {
+          detail::lapack::syrk_upper(true, Fl, rows, 1, Xp + a * Fl, ldx, 1, xx, Fl);
+        });
       else
-        acc.xx[k].noalias() += Xa.transpose() * Xp.middleCols(b * Fl, Fl);
+        products.emplace_back([=] {
+          detail::lapack::gemm(true, false, Fl, Fl, rows, 1, Xp + a * Fl, ldx, Xp + b * Fl, ldx,
+                               1, xx, Fl);
+        });
     }
     for (int64_t j = 0; j < Lt; ++j) {
       const size_t jj = static_cast<size_t>(j);
-      const auto Yj = Yp.middleCols(j * 2 * O, 2 * O);
+      const auto Yj = Ys.middleCols(j * 2 * O, 2 * O);
       acc.sy[jj] += Yj.colwise().sum().transpose();
       acc.yy[jj][0] += Yj.leftCols(O).squaredNorm();
       acc.yy[jj][1] += Yj.rightCols(O).squaredNorm();
       const auto& C = m.plan.candidates[jj];
-      for (size_t c = 0; c < C.size(); ++c)
-        acc.xy[jj][c].noalias() += Xp.middleCols(m.plan.slot(C[c]) * Fl, Fl).transpose() * Yj;
+      for (size_t c = 0; c < C.size(); ++c) {
+        const int64_t col = m.plan.slot(C[c]) * Fl;
+        double* xy = acc.xy[jj][c].data();
+        products.emplace_back([=] {
+          detail::lapack::gemm(true, false, Fl, 2 * O, rows, 1, Xp + col, ldx, Yp + j * 2 * O,
+                               ldy, 1, xy, 2 * O);
+        });
+      }
     }
   }
+  parallel_for(static_cast<int64_t>(products.size()),
+               [&](int64_t i) { products[static_cast<size_t>(i)](); });
 }
 
 void AdapterFitter::next_pass() {
@@ -615,30 +814,18 @@ LinearAdapter AdapterFitter::fit() const {
   out->report.train_tokens = m.train.n;
   out->report.holdout_tokens = m.held.n;
   out->report.rope_aware = m.options.rope_aware;
-  for (int64_t j = 0; j < m.target.num_layers; ++j) {
-    const Impl::Candidate chosen = m.select(j);
-    const std::vector<int64_t>& S = chosen.layers;
-    const std::array<MapFit, 2> fits = {m.map(j, chosen, 0, /*keep=*/true),
-                                        m.map(j, chosen, 1, /*keep=*/true)};
-    out->layers.push_back(S);
+  std::vector<Impl::Choice> chosen = m.select();
+  for (Impl::Choice& c : chosen) {
+    out->layers.push_back(c.layers);
     LayerFit lf;
-    lf.source_layers = S;
-    lf.r2_key = fits[0].r2;
-    lf.r2_value = fits[1].r2;
-    lf.ridge_key = fits[0].ridge;
-    lf.ridge_value = fits[1].ridge;
+    lf.source_layers = c.layers;
+    lf.r2_key = c.fits[0].r2;
+    lf.r2_value = c.fits[1].r2;
+    lf.ridge_key = c.fits[0].ridge;
+    lf.ridge_value = c.fits[1].ridge;
     out->report.layers.push_back(lf);
-    std::array<std::vector<float>, 2> w, b;
-    for (int kind = 0; kind < 2; ++kind) {
-      const MapFit& f = fits[static_cast<size_t>(kind)];
-      w[static_cast<size_t>(kind)].resize(static_cast<size_t>(f.weights.size()));
-      Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
-          w[static_cast<size_t>(kind)].data(), f.weights.rows(), f.weights.cols()) =
-          f.weights.cast<float>();
-      b[static_cast<size_t>(kind)].assign(f.bias.data(), f.bias.data() + f.bias.size());
-    }
-    out->weights.push_back(std::move(w));
-    out->bias.push_back(std::move(b));
+    out->weights.push_back(std::move(c.weights));
+    out->bias.push_back(std::move(c.bias));
   }
   return LinearAdapter(std::move(out));
 }
