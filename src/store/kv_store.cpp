@@ -592,7 +592,8 @@ struct KVStore::Impl {
     w->names.push_back(redis->key_for(call.ns, call.fp, keys.at(c)));
     for (size_t k = c + 1; k < chunks && w->names.size() < limit; ++k) {
       const Hash128& key = keys.at(k);
-      if (!redis->may_contain(key) || in_memory(key) || (disk && disk->contains(key))) break;
+      if (!redis->may_contain(key) || in_memory(key) || (disk && disk->contains(key, call.fp)))
+        break;
       w->names.push_back(redis->key_for(call.ns, call.fp, key));
     }
     w->count = w->names.size();
@@ -660,7 +661,7 @@ struct KVStore::Impl {
     };
 
     if (disk) {
-      if (disk->contains(key)) {
+      if (disk->contains(key, call.fp)) {
         if (!allocate(call.now_ms)) return nullptr;
         int64_t created = 0;
         const LoadResult r = disk->load(want, entry->kv, &created);
@@ -823,7 +824,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
         transient->fill_from(kv.slice_tokens(c * chunk, chunk));
         source = std::move(transient);
       }
-      const bool to_disk = m.disk && !m.disk->contains(key);
+      const bool to_disk = m.disk && !m.disk->has_file(key, call.fp);
       const bool to_redis = m.redis && (inserted || !pinned);
       if (to_disk || to_redis) {
         Packed packed = pack(*source, key);
@@ -929,7 +930,7 @@ int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view
         m.erased.fetch_add(1, std::memory_order_relaxed);
       }
     }
-    if ((tiers & kDiskTier) && m.disk && m.disk->erase(keys[c])) ++removed;
+    if ((tiers & kDiskTier) && m.disk && m.disk->erase(keys[c], fp)) ++removed;
     if ((tiers & kRedisTier) && m.redis) remote.push_back(m.redis->key_for(ns, fp, keys[c]));
     parent = keys[c];
   }
