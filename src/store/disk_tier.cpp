@@ -211,18 +211,16 @@ int64_t steady_ms() {
       .count();
 }
 
-// Publishes `tmp` as `path` unless `path` exists: 0 or the errno. A hard link where the file
-// system has them, else rename without replacing.
+// Publishes `tmp` as `path` unless `path` exists: 0 or the errno. An atomic rename that never
+// replaces a file; where the file system lacks that (RENAME_NOREPLACE), a hard link and then
+// the temporary name's removal.
 int publish_noreplace(const std::string& tmp, const std::string& path) {
-  if (::link(tmp.c_str(), path.c_str()) == 0) {
-    ::unlink(tmp.c_str());
-    return 0;
-  }
-  const int err = errno;
-  if (err != EPERM && err != ENOTSUP && err != EOPNOTSUPP && err != ENOSYS && err != EMLINK)
-    return err;
   if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) == 0) return 0;
-  return errno;
+  const int err = errno;
+  if (err != EINVAL && err != ENOSYS && err != ENOTSUP && err != EOPNOTSUPP) return err;
+  if (::link(tmp.c_str(), path.c_str()) != 0) return errno;
+  ::unlink(tmp.c_str());
+  return 0;
 }
 
 struct Item {
@@ -242,7 +240,8 @@ struct DiskTier::Impl {
 
   ~Impl() {
     if (lease) {
-      ::unlink(lease_path.c_str());
+      // Not in a forked child that inherited the store: the lease is its parent's.
+      if (::getpid() == owner_pid) ::unlink(lease_path.c_str());
       ::munmap(lease, kStateFileBytes);
     }
     if (lease_fd >= 0) ::close(lease_fd);  // releases the lease's flock
@@ -259,6 +258,7 @@ struct DiskTier::Impl {
   LeaseRecord* lease = nullptr;
   int lease_fd = -1;
   std::string lease_id, lease_path;
+  const pid_t owner_pid = ::getpid();
 
   mutable std::mutex mu;
   std::unordered_map<Hash128, Item, HashOf> index;  // the files this store knows of

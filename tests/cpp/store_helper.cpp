@@ -130,10 +130,7 @@ int main(int argc, char** argv) {
   const ModelSpec spec = testing::helper_spec();
   try {
     if (mode == "disk-writer" && argc == 4) {
-      StoreOptions o;
-      o.chunk_tokens = testing::kHelperChunk;
-      o.capacity_bytes = int64_t{16} << 20;
-      o.disk_dir = argv[2];
+      StoreOptions o = testing::helper_disk_options(argv[2]);
       o.disk_fsync = true;
       KVStore store(o);
       for (uint64_t seed = std::strtoull(argv[3], nullptr, 10);; ++seed) {

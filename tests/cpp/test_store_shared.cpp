@@ -138,15 +138,6 @@ TEST(SharedDisk, FourProcessesMixedOpsEveryHitExactBudgetHeld) {
   EXPECT_TRUE(temp_files(dir.path).empty());
 }
 
-StoreOptions helper_disk_options(const std::string& dir) {
-  StoreOptions o;
-  o.chunk_tokens = testing::kHelperChunk;
-  o.capacity_bytes = int64_t{16} << 20;
-  o.disk_dir = dir;
-  o.disk_fsync = false;
-  return o;
-}
-
 // A writer process (4 MiB prompts of 1 MiB entries, fsync on) is SIGKILLed at a random moment,
 // five times, while this process keeps a store open on the directory. That store never reads
 // a torn entry; a store opened next (not alone: the first still lives) recovers the dead
@@ -160,7 +151,7 @@ TEST(SharedDisk, WriterKilledMidPutWhileAnotherStoreLives) {
   const int64_t entry = blocks(160 + 4 * testing::kHelperChunk +
                                spec.kv_bytes_per_token() * testing::kHelperChunk + 16);
   std::mt19937 rng(17);
-  auto live = std::make_unique<KVStore>(helper_disk_options(dir.path));
+  auto live = std::make_unique<KVStore>(testing::helper_disk_options(dir.path));
   uint64_t last = 0;
   const int kills = 5;
   for (int round = 0; round < kills; ++round) {
@@ -191,7 +182,7 @@ TEST(SharedDisk, WriterKilledMidPutWhileAnotherStoreLives) {
   EXPECT_EQ(live->stats().disk.corrupt, 0);
   EXPECT_GT(live->stats().disk.hit_chunks, 0);
   {
-    KVStore next(helper_disk_options(dir.path));
+    KVStore next(testing::helper_disk_options(dir.path));
     EXPECT_TRUE(temp_files(dir.path).empty());
     EXPECT_EQ(testing::files_with_suffix(dir.path + "/kvbridge-v1/stores", ".lease").size(), 2u);
     const int64_t files = tree_blocks(dir.path);
@@ -199,7 +190,7 @@ TEST(SharedDisk, WriterKilledMidPutWhileAnotherStoreLives) {
     EXPECT_LE(shared_count(dir.path), files + kills * entry);
   }
   live.reset();
-  KVStore alone(helper_disk_options(dir.path));
+  KVStore alone(testing::helper_disk_options(dir.path));
   EXPECT_EQ(shared_count(dir.path), tree_blocks(dir.path));
   EXPECT_EQ(alone.stats().disk.bytes_used, tree_blocks(dir.path));
 }

@@ -111,6 +111,15 @@ inline ModelSpec helper_spec() {
 inline std::vector<int64_t> helper_tokens(uint64_t seed) {
   return random_tokens(kHelperTokens, seed);
 }
+/// A store of helper prompts on a disk directory (16 MiB of memory, no fsync).
+inline StoreOptions helper_disk_options(const std::string& dir) {
+  StoreOptions o;
+  o.chunk_tokens = kHelperChunk;
+  o.capacity_bytes = int64_t{16} << 20;
+  o.disk_dir = dir;
+  o.disk_fsync = false;
+  return o;
+}
 
 // The shared-directory tests (test_store_shared.cpp and their helper processes): small entries
 // (8 KiB payload, 12 KiB file blocks) so four processes churn a budget of a few dozen files.
