@@ -1,4 +1,5 @@
-// Helper program of the multi-process store tests (test_store_faults.cpp, test_store_redis.cpp):
+// Helper program of the multi-process store tests (test_store_faults.cpp, test_store_redis.cpp,
+// test_store_shared.cpp):
 //
 //   kvbridge_store_helper disk-writer DIR FIRST_SEED
 //       puts helper prompts FIRST_SEED, FIRST_SEED + 1, ... into a disk store at DIR forever
