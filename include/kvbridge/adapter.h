@@ -53,6 +53,13 @@ struct FitReport {
   bool rope_aware = true;
 };
 
+/// How LinearAdapter::load treats a file.
+struct AdapterLoadOptions {
+  /// Accept a file without a checksum (every other check still applies; a checksum that is
+  /// present is always verified). Off by default: such a file's damage cannot be detected.
+  bool allow_unchecked = false;
+};
+
 class LinearAdapter {
  public:
   LinearAdapter(const LinearAdapter&) = delete;
@@ -116,16 +123,27 @@ class LinearAdapter {
   /// computed in double and rounded once at the end. Throws InvalidArgument for CUDA views.
   void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst) const;
 
+  /// 32 lowercase hex digits identifying this adapter's content: the checksum save() writes
+  /// (XXH3-128 over its metadata, which holds both ModelSpecs in their roles, the layer map and
+  /// the fit report, and over its weights; docs/adapter_file.md). Equal for an adapter and its
+  /// saved and reloaded copy; computed on first use (it hashes every weight once).
+  std::string fingerprint() const;
+
   /// Writes the adapter as a safetensors file (atomically: temporary file, fsync, rename).
   /// Tensors "layers.{j}.{key,value}.{weight,bias}" (float32) and metadata: format
-  /// "kvbridge.adapter", format_version "1", both ModelSpecs, the layer map, rope settings and
-  /// the fit report (JSON strings). Throws Unavailable on I/O failure.
+  /// "kvbridge.adapter", format_version "2", both ModelSpecs, the layer map, rope settings, the
+  /// fit report (JSON strings) and "checksum" (fingerprint()). Throws Unavailable on I/O failure.
   void save(const std::string& path) const;
   /// Reads and validates a file written by save (or by any safetensors writer with the same
-  /// content). Throws NotFound for a missing file and Corrupt for anything malformed: bad header,
-  /// unknown format or version, specs or layer map that do not parse, missing, extra or
-  /// mis-shaped tensors, non-float32 dtypes, non-finite weights.
-  static LinearAdapter load(const std::string& path);
+  /// metadata strings and tensors: the checksum covers content, not the header's layout).
+  /// Throws InvalidArgument for a path with a NUL byte, NotFound for a missing file and Corrupt
+  /// for anything else: not a regular file, a header longer than the file, a checksum that does
+  /// not match (any damaged byte, an edited report, swapped source and target specs), a missing
+  /// checksum (format_version "1" files and writers that drop it) unless
+  /// options.allow_unchecked, unknown format or version, specs or layer map that do not parse,
+  /// a fit report out of range (R² not finite or > 1, ridge not finite or < 0, negative token
+  /// counts), missing, extra or mis-shaped tensors, non-float32 dtypes, non-finite weights.
+  static LinearAdapter load(const std::string& path, const AdapterLoadOptions& options = {});
 
   /// Raw parameters of target layer j: weights [features, kv_heads * head_dim] row-major and bias
   /// [kv_heads * head_dim], float32, for keys (kind 0) or values (kind 1).

@@ -11,7 +11,10 @@
 //  - When a converted candidate wins, the native prefix is kept as it is and only source tokens
 //    [p_T, p_S) are converted (start_pos = p_T; the map is per token, so this equals converting
 //    everything and keeping the tail). The assembled [0, p_S) KV is then written back as T's own
-//    entry, so the next load of the same prompt is a native hit.
+//    entry, so the next load of the same prompt is a native hit. The written-back chunks record
+//    their provenance (S's fingerprint and the adapter's, KVStore::put), which later loads report
+//    (Load::converted_from, Load::adapter) and which invalidate_adapter purges by: replacing or
+//    removing an adapter purges what it wrote back, in every tier.
 //  - The target always computes at least the last prompt token itself: a Load holds at most
 //    n - 1 tokens (a chunk-aligned prefix covering the whole prompt is trimmed by one token).
 //    Prompts of fewer than 2 tokens are misses.
@@ -91,6 +94,13 @@ class Load {
   const std::string& source() const noexcept { return source_; }
   /// The adapter's quality when converted, else NaN.
   double quality() const noexcept { return quality_; }
+  /// Provenance of the tokens that did not come from the target's own prefill: the source
+  /// model's fingerprint and the adapter's (LinearAdapter::fingerprint()), for a conversion now
+  /// and also for a native hit on entries an earlier conversion wrote back (then converted() is
+  /// false; the first such chunk's provenance is reported). Both empty when every token is the
+  /// target's own KV.
+  const std::string& converted_from() const noexcept { return converted_from_; }
+  const std::string& adapter() const noexcept { return adapter_; }
   explicit operator bool() const noexcept { return tokens_ > 0; }
 
   /// Copies the KV into `dst`: a CPU view with the target spec's layers, kv_heads, head_dim and
@@ -107,6 +117,7 @@ class Load {
   bool converted_ = false;
   std::string source_;
   double quality_ = 0;
+  std::string converted_from_, adapter_;
 };
 
 class Bridge {
@@ -124,10 +135,16 @@ class Bridge {
   /// Registers an adapter source() -> target() (shared: the caller may keep its reference).
   /// Throws InvalidArgument for a null adapter, source == target, an empty or differing
   /// tokenizer id, or a pair already registered unless `replace` (which then swaps it in).
-  /// Adapters under min_quality are accepted but never used.
+  /// Adapters under min_quality are accepted but never used. Replacing an adapter by one with
+  /// another fingerprint purges the replaced one's written-back entries (invalidate_adapter).
   void add_adapter(std::shared_ptr<const LinearAdapter> adapter, bool replace = false);
-  /// Unregisters the adapter for (source, target); false if there was none.
+  /// Unregisters the adapter for (source, target) and purges its written-back entries; false if
+  /// there was none.
   bool remove_adapter(const ModelSpec& source, const ModelSpec& target);
+  /// Removes every entry `adapter` wrote back (KVStore::invalidate_adapter on its target and
+  /// fingerprint), in every tier; the target's own entries stay. The adapter need not be
+  /// registered.
+  InvalidateResult invalidate_adapter(const LinearAdapter& adapter);
   /// Registered adapters, in registration order.
   std::vector<std::shared_ptr<const LinearAdapter>> adapters() const;
   /// min held-out R² over every target layer's K and V maps (-infinity for an empty report).

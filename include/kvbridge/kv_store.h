@@ -81,13 +81,17 @@ StorageFormat parse_storage_format(const std::string& name);
 enum StoreTier : unsigned { kMemoryTier = 1u, kDiskTier = 2u, kRedisTier = 4u };
 constexpr unsigned kAllTiers = kMemoryTier | kDiskTier | kRedisTier;
 
+/// Largest StoreOptions::ttl_seconds (about 100 years; keeps every time in ms far from overflow).
+constexpr int64_t kMaxTtlSeconds = int64_t{100} * 366 * 24 * 3600;
+
 struct StoreOptions {
   int64_t capacity_bytes = int64_t{1} << 30;  ///< memory tier's accounted-bytes budget; > 0
-  int64_t chunk_tokens = 256;                 ///< tokens per chunk entry; > 0
+  int64_t chunk_tokens = 256;                 ///< tokens per chunk entry; in [1, 2^24]
   int num_shards = 16;                        ///< lock shards; in [1, 1024]
   EvictionPolicy eviction = EvictionPolicy::kLRU;
   /// Entries expire this many seconds after the put that created them, in every tier (an
-  /// expired entry is a miss and is removed; Redis values also get this expiry). 0: never.
+  /// expired entry is a miss and is removed; Redis values also get this expiry). 0: never; at
+  /// most kMaxTtlSeconds.
   int64_t ttl_seconds = 0;
   /// Entry storage (see StorageFormat); lossy int8 roughly halves the bytes of 16-bit KV.
   StorageFormat storage = StorageFormat::kNative;
@@ -202,6 +206,16 @@ struct StoreStats {
 };
 
 /// Entries removed by KVStore::invalidate, per tier.
+/// Where a stored chunk's KV came from; recorded with the entry in every tier
+/// (docs/storage.md). Both fields empty: the model's own KV. Otherwise both are 32 lowercase hex
+/// digits: ModelSpec::fingerprint() of the model whose cache was converted, and
+/// LinearAdapter::fingerprint() of the adapter that converted it (Bridge write-back).
+struct Provenance {
+  std::string source_fingerprint;
+  std::string adapter_fingerprint;
+  bool converted() const noexcept { return !adapter_fingerprint.empty(); }
+};
+
 struct InvalidateResult {
   int64_t memory = 0;
   int64_t disk = 0;
@@ -228,6 +242,9 @@ class Match {
   int64_t tokens() const noexcept { return tokens_; }
   int64_t chunks() const noexcept { return static_cast<int64_t>(entries_.size()); }
   explicit operator bool() const noexcept { return tokens_ > 0; }
+
+  /// Where chunk `chunk` (0 <= chunk < chunks()) came from. Throws InvalidArgument otherwise.
+  Provenance provenance(int64_t chunk) const;
 
   /// Copies the matched prefix into `dst`, which must be a CPU view with the store entry's
   /// layers, kv_heads, head_dim and dtype, and exactly tokens() tokens.
@@ -262,8 +279,13 @@ class KVStore {
   /// multiple of chunk_tokens; shorter than requested when no tier took a chunk, or on a
   /// collision). Throws InvalidArgument for bad tokens, a bad spec, or a view that does not
   /// match; never for a failing disk or Redis tier.
+  /// `provenance` is recorded with the chunks this call creates (chunks already stored keep
+  /// theirs); InvalidArgument unless both its fields are empty or both are fingerprints.
+  /// A chunk already in memory is also sent to Redis when this store has not seen it stored
+  /// there since the tier last failed (so chunks put during an outage reach Redis with the
+  /// next put of their prefix).
   int64_t put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
-              std::string_view ns = "default");
+              std::string_view ns = "default", const Provenance& provenance = {});
 
   /// The longest cached prefix of `tokens` for (spec, ns), pinned. A miss is an empty Match.
   /// Throws InvalidArgument for bad tokens or a bad spec; never for a failing disk or Redis tier.
@@ -281,6 +303,14 @@ class KVStore {
   /// whichever store wrote them. Other stores' memory tiers keep their copies until evicted
   /// (docs/storage.md).
   InvalidateResult invalidate(const ModelSpec& spec);
+
+  /// Removes every entry of `target`'s fingerprint whose provenance names the adapter
+  /// (LinearAdapter::fingerprint(), 32 lowercase hex digits; InvalidArgument otherwise), in
+  /// every namespace and tier: memory, disk (each of the model's files has its header read) and
+  /// Redis (SCAN of the model's keys, a server-side check of each value's header). The model's
+  /// own entries and other adapters' stay.
+  InvalidateResult invalidate_adapter(const ModelSpec& target,
+                                      std::string_view adapter_fingerprint);
 
   /// Removes every entry of the selected tiers. The default leaves the Redis tier alone: it is
   /// shared with other processes (clear it per model with invalidate()).

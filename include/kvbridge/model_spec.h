@@ -34,9 +34,12 @@ struct ModelSpec {
   std::string name;            ///< human-readable model id, e.g. "meta-llama/Llama-3.1-8B"
   std::string version;         ///< weights revision / LoRA id; part of the identity
   std::string tokenizer;       ///< tokenizer id; cross-model reuse requires equal tokenizers
-  int64_t num_layers = 0;      ///< > 0
-  int64_t num_kv_heads = 0;    ///< > 0
-  int64_t head_dim = 0;        ///< > 0, even (RoPE rotates pairs)
+  /// Largest num_layers, num_kv_heads and head_dim: with them kv_bytes_per_token() stays far
+  /// below 2^63 (at most 2^51).
+  static constexpr int64_t kMaxDim = int64_t{1} << 16;
+  int64_t num_layers = 0;      ///< in [1, kMaxDim]
+  int64_t num_kv_heads = 0;    ///< in [1, kMaxDim]
+  int64_t head_dim = 0;        ///< in [2, kMaxDim], even (RoPE rotates pairs)
   DType dtype = DType::kFloat32;  ///< dtype of the model's KV cache
   double rope_base = 10000.0;  ///< > 0
   RopeStyle rope_style = RopeStyle::kHalf;

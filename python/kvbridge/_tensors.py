@@ -92,6 +92,11 @@ def check_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         for j, t in enumerate(layer):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"kv[{i}][{j}]: expected a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise TypeError(f"kv[{i}][{j}]: expected a dense (strided) tensor, got layout "
+                                f"{t.layout}")
+            if t.device.type == "meta":
+                raise ValueError(f"kv[{i}][{j}]: a meta tensor holds no data")
         pairs.append((layer[0], layer[1]))
     return pairs
 

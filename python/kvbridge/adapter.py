@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from kvbridge import _core
+from kvbridge import _args, _core
 from kvbridge._tensors import (KVCache, check_kv, empty_kv, host_kv, is_cache_object, kv_views,
                                legacy_to_cache)
 
@@ -37,10 +37,19 @@ class LinearAdapter:
         """Writes the adapter as a safetensors file with JSON metadata (atomic)."""
         self._native.save(os.fspath(path))
 
+    @property
+    def fingerprint(self) -> str:
+        """32 hex digits identifying the adapter's content (the checksum its file carries)."""
+        return self._native.fingerprint
+
     @classmethod
-    def load(cls, path: Union[str, "os.PathLike[str]"]) -> "LinearAdapter":
-        """Reads an adapter file; kvbridge.CorruptError if it is malformed in any way."""
-        return cls(_core.LinearAdapter.load(os.fspath(path)))
+    def load(cls, path: Union[str, "os.PathLike[str]"], *,
+             allow_unchecked: bool = False) -> "LinearAdapter":
+        """Reads an adapter file; kvbridge.CorruptError if it is damaged or malformed in any way.
+
+        Files without a checksum (format_version 1, or written by a tool that dropped it) are
+        refused unless ``allow_unchecked=True``; save() them again to add one."""
+        return cls(_core.LinearAdapter.load(os.fspath(path), allow_unchecked=allow_unchecked))
 
     def convert(self, source_kv: KVCache, start_pos: int = 0, *,
                 reference: bool = False, as_cache: Optional[bool] = None) -> KVCache:
@@ -63,7 +72,8 @@ class LinearAdapter:
         """
         if as_cache is None:
             as_cache = is_cache_object(source_kv)
-        out = self._convert(check_kv(source_kv), int(start_pos), reference)
+        out = self._convert(check_kv(source_kv), _args.position("start_pos", start_pos),
+                            _args.flag("reference", reference))
         return legacy_to_cache(out) if as_cache else out
 
     def _convert(self, pairs, start_pos: int, reference: bool) -> KVCache:
@@ -114,17 +124,18 @@ class AdapterFitter:
                               else _core.FitOptions.Selection.ALL)
         else:
             opts.selection = _core.FitOptions.Selection.EXPLICIT
-            opts.source_layers = [[int(l) for l in layers] for layers in source_layers]
+            opts.source_layers = [[_args.size("source_layers", l) for l in layers]
+                                  for layers in source_layers]
         if ridge != "auto":
             if isinstance(ridge, str):
                 raise ValueError(f"ridge: expected 'auto' or a number, got {ridge!r}")
-            opts.ridge_grid = [float(ridge)]
-        opts.rope_aware = bool(rope_aware)
-        opts.holdout = float(holdout)
-        opts.max_source_layers = int(max_source_layers)
-        opts.seed = int(seed)
+            opts.ridge_grid = [_args.number("ridge", ridge)]
+        opts.rope_aware = _args.flag("rope_aware", rope_aware)
+        opts.holdout = _args.number("holdout", holdout)
+        opts.max_source_layers = _args.size("max_source_layers", max_source_layers)
+        opts.seed = _args.seed("seed", seed)
         if max_memory_bytes is not None:
-            opts.max_memory_bytes = int(max_memory_bytes)
+            opts.max_memory_bytes = _args.size("max_memory_bytes", max_memory_bytes)
         self._native = _core.AdapterFitter(source_spec, target_spec, opts)
 
     @property
@@ -163,7 +174,7 @@ class AdapterFitter:
         src, tgt = host_kv(source_kv), host_kv(target_kv)
         sk, sv = kv_views(src)
         tk, tv = kv_views(tgt)
-        self._native.add(sk, sv, tk, tv, int(start_pos))
+        self._native.add(sk, sv, tk, tv, _args.position("start_pos", start_pos))
 
     def fit(self) -> LinearAdapter:
         return LinearAdapter(self._native.fit())

@@ -6,7 +6,7 @@ from typing import Any, List, Optional, Union
 
 import torch
 
-from kvbridge import _core
+from kvbridge import _args, _core
 from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
                                legacy_to_cache)
 from kvbridge.adapter import LinearAdapter
@@ -25,6 +25,10 @@ class Load:
     converted: True when any token was converted through an adapter.
     native_tokens: how many of `tokens` came from the model's own cache.
     quality: the adapter's quality when converted (see Bridge), else NaN.
+    converted_from, adapter: fingerprints of the source model and of the adapter behind the
+        tokens that are not the model's own prefill: set for a conversion, and also for a native
+        hit on entries an earlier conversion wrote back (converted is False then); "" when every
+        token is the model's own KV.
     """
 
     tokens: int
@@ -33,6 +37,8 @@ class Load:
     converted: bool
     native_tokens: int
     quality: float
+    converted_from: str = ""
+    adapter: str = ""
 
 
 class Bridge:
@@ -55,7 +61,8 @@ class Bridge:
         if not isinstance(store, KVStore):
             raise TypeError(f"store: expected a kvbridge.KVStore, got {type(store).__name__}")
         self._store = store
-        self._native = _core.Bridge(store._store, float(min_quality), bool(write_back))
+        self._native = _core.Bridge(store._store, _args.number("min_quality", min_quality),
+                                    _args.flag("write_back", write_back))
 
     @property
     def store(self) -> KVStore:
@@ -74,15 +81,26 @@ class Bridge:
 
         Raises ValueError when source and target are the same model, when their tokenizer ids
         differ or are empty, or when the pair is already registered and `replace` is False.
+        Replacing an adapter by a different one purges what the old one wrote back.
         """
         if not isinstance(adapter, LinearAdapter):
             raise TypeError("adapter: expected a kvbridge.LinearAdapter, got "
                             f"{type(adapter).__name__}")
-        self._native.add_adapter(adapter._native, bool(replace))
+        self._native.add_adapter(adapter._native, _args.flag("replace", replace))
 
     def remove_adapter(self, source: _core.ModelSpec, target: _core.ModelSpec) -> bool:
-        """Unregisters the adapter source -> target; False if there was none."""
+        """Unregisters the adapter source -> target and purges the entries it wrote back (see
+        invalidate_adapter); False if there was none."""
         return self._native.remove_adapter(source, target)
+
+    def invalidate_adapter(self, adapter: LinearAdapter) -> dict:
+        """Removes every entry `adapter` wrote back into the store, in every tier (the target's
+        own entries stay); add_adapter(replace=True) and remove_adapter do it for the adapter
+        they drop. Returns {"memory": n, "disk": n, "redis": n, "redis_complete": bool}."""
+        if not isinstance(adapter, LinearAdapter):
+            raise TypeError("adapter: expected a kvbridge.LinearAdapter, got "
+                            f"{type(adapter).__name__}")
+        return self._native.invalidate_adapter(adapter._native)
 
     def adapters(self) -> List[LinearAdapter]:
         """The registered adapters, in registration order."""
@@ -100,7 +118,7 @@ class Bridge:
         ids = as_tokens(tokens)
         pairs = host_kv(kv)
         keys, values = kv_views(pairs)
-        return self._native.save(spec, ids, keys, values, namespace)
+        return self._native.save(spec, ids, keys, values, _args.text("namespace", namespace))
 
     def load(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default", *,
              return_kv: bool = True,
@@ -112,7 +130,7 @@ class Bridge:
         tensors live (default: CPU). as_cache: return the KV as a transformers DynamicCache.
         """
         ids = as_tokens(tokens)
-        found = self._native.load(spec, ids, namespace)
+        found = self._native.load(spec, ids, _args.text("namespace", namespace))
         kv = None
         if found.tokens and return_kv:
             kv = empty_kv(spec, found.tokens)
@@ -123,7 +141,7 @@ class Bridge:
             if as_cache:
                 kv = legacy_to_cache(kv)
         return Load(found.tokens, kv, found.source, found.converted, found.native_tokens,
-                    found.quality)
+                    found.quality, found.converted_from, found.adapter)
 
     def stats(self) -> dict:
         """Counters and times: see BridgeStats in include/kvbridge/bridge.h."""

@@ -13,6 +13,8 @@ COMMANDS = {
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
+        if args and args[0] not in ("-h", "--help"):
+            print(f"kvbridge: unknown command {args[0]!r}", file=sys.stderr)
         width = max(map(len, COMMANDS))
         print("usage: kvbridge {" + ",".join(COMMANDS) + "} [options]\n")
         for name, text in COMMANDS.items():
@@ -22,7 +24,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from kvbridge import eval as command
     else:
         from kvbridge import demo as command
-    command.main(args[1:])
+    import kvbridge
+
+    try:
+        command.main(args[1:])
+    except (kvbridge.Error, OSError) as e:  # bad files and arguments: a message, no traceback
+        print(f"kvbridge {args[0]}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

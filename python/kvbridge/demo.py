@@ -174,19 +174,20 @@ def format_report(report: Dict[str, Any], pair: Any, shown: int = 3) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge demo", description=__doc__.split("\n")[0])
-    p.add_argument("--prompts", type=int, default=8, help="held-out prompts in the batch")
-    p.add_argument("--window-tokens", type=int, default=0,
+    at_least = kv_eval.int_at_least
+    p.add_argument("--prompts", type=at_least(1), default=8, help="held-out prompts in the batch")
+    p.add_argument("--window-tokens", type=at_least(0), default=0,
                    help="prompt + continuation tokens (0: testbed.MAX_CONTEXT)")
-    p.add_argument("--continuation-tokens", type=int, default=32,
+    p.add_argument("--continuation-tokens", type=at_least(1), default=32,
                    help="true continuation tokens scored after each prompt")
-    p.add_argument("--generate", type=int, default=24, help="greedy tokens per answer")
+    p.add_argument("--generate", type=at_least(0), default=24, help="greedy tokens per answer")
     p.add_argument("--adapter", default=kv_eval.DEFAULT_ADAPTER)
-    p.add_argument("--fit-windows", type=int, default=96,
+    p.add_argument("--fit-windows", type=at_least(1), default=96,
                    help="training windows when the adapter has to be fitted")
     p.add_argument("--min-quality", type=float, default=0.5, help="Bridge quality gate")
-    p.add_argument("--chunk-tokens", type=int, default=16)
-    p.add_argument("--show", type=int, default=3, help="continuations printed side by side")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--chunk-tokens", type=at_least(1), default=16)
+    p.add_argument("--show", type=at_least(0), default=3, help="continuations printed side by side")
+    p.add_argument("--threads", type=at_least(0), default=1,
                    help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default "
                    "(see kvbridge.eval.set_threads)")
     return p

@@ -601,6 +601,21 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(int(threads))
 
 
+def int_at_least(lo: int):
+    """An argparse type: an integer >= lo (a bad value is a usage error, not a traceback)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
@@ -608,16 +623,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "given for: only one, named 'loaded') instead of fitting")
     p.add_argument("--save-adapter", metavar="PATH",
                    help="save the best fitted variant (highest kept) to this file")
-    p.add_argument("--window-tokens", type=int, default=0)
-    p.add_argument("--continuation-tokens", type=int, default=0)
-    p.add_argument("--train-windows", type=int, default=EvalConfig.train_windows)
-    p.add_argument("--heldout-windows", type=int, default=EvalConfig.heldout_windows)
-    p.add_argument("--ttft-lengths", type=int, nargs="+", default=[])
-    p.add_argument("--ttft-repeats", type=int, default=EvalConfig.ttft_repeats)
-    p.add_argument("--chunk-tokens", type=int, default=EvalConfig.chunk_tokens)
+    p.add_argument("--window-tokens", type=int_at_least(0), default=0)
+    p.add_argument("--continuation-tokens", type=int_at_least(0), default=0)
+    p.add_argument("--train-windows", type=int_at_least(1), default=EvalConfig.train_windows)
+    p.add_argument("--heldout-windows", type=int_at_least(1), default=EvalConfig.heldout_windows)
+    p.add_argument("--ttft-lengths", type=int_at_least(2), nargs="+", default=[])
+    p.add_argument("--ttft-repeats", type=int_at_least(1), default=EvalConfig.ttft_repeats)
+    p.add_argument("--chunk-tokens", type=int_at_least(1), default=EvalConfig.chunk_tokens)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--threads", type=int_at_least(0), default=1,
                    help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p

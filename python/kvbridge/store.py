@@ -7,7 +7,7 @@ from typing import Any, Iterable, List, Optional, Union
 
 import torch
 
-from kvbridge import _core
+from kvbridge import _args, _core
 from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
                                legacy_to_cache)
 
@@ -74,22 +74,26 @@ class KVStore:
                  num_shards: int = 16, eviction: str = "lru", ttl_seconds: int = 0,
                  storage: str = "native", **options: Any):
         o = _core.StoreOptions()
-        o.capacity_bytes = int(capacity_bytes)
-        o.chunk_tokens = int(chunk_tokens)
-        o.num_shards = int(num_shards)
-        o.eviction = eviction
-        o.ttl_seconds = int(ttl_seconds)
-        o.storage = storage
+        options = dict(options, capacity_bytes=_args.size("capacity_bytes", capacity_bytes),
+                       chunk_tokens=_args.size("chunk_tokens", chunk_tokens),
+                       num_shards=num_shards, eviction=eviction,
+                       ttl_seconds=_args.size("ttl_seconds", ttl_seconds), storage=storage)
         if disk_dir is not None:
-            o.disk_dir = os.fspath(disk_dir)
+            options["disk_dir"] = os.fspath(disk_dir)
         if disk_capacity_bytes is not None:
-            o.disk_capacity_bytes = int(disk_capacity_bytes)
+            options["disk_capacity_bytes"] = _args.size("disk_capacity_bytes", disk_capacity_bytes)
         if redis_url is not None:
-            o.redis_url = str(redis_url)
+            options["redis_url"] = redis_url
         for name, value in options.items():
             if name.startswith("_") or not hasattr(o, name):
                 raise TypeError(f"KVStore: unknown option {name!r}")
-            setattr(o, name, value)
+            default = getattr(o, name)
+            value = _args.option(name, default, value)
+            try:
+                setattr(o, name, value)
+            except TypeError:  # an int wider than the field (a C++ int)
+                raise _core.InvalidArgumentError(
+                    f"{name}: {value!r} is out of range for this option") from None
         self._store = _core.KVStore(o)
 
     @property
@@ -116,7 +120,7 @@ class KVStore:
         ids = as_tokens(tokens)
         pairs = host_kv(kv)
         keys, values = kv_views(pairs)
-        return self._store.put(spec, ids, keys, values, namespace)
+        return self._store.put(spec, ids, keys, values, _args.text("namespace", namespace))
 
     def match(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default", *,
               return_kv: bool = True,
@@ -128,7 +132,7 @@ class KVStore:
         as_cache: return the KV as a transformers DynamicCache instead of a legacy tuple.
         """
         ids = as_tokens(tokens)
-        found = self._store.match(spec, ids, namespace)
+        found = self._store.match(spec, ids, _args.text("namespace", namespace))
         if found.tokens == 0 or not return_kv:
             return Match(found.tokens, None)
         kv = empty_kv(spec, found.tokens)
@@ -144,13 +148,22 @@ class KVStore:
 
         Returns how many memory and disk entries were removed (Redis deletions are not
         counted)."""
-        return self._store.erase(spec, as_tokens(tokens), namespace, _tier_mask(tiers))
+        return self._store.erase(spec, as_tokens(tokens), _args.text("namespace", namespace),
+                                 _tier_mask(tiers))
 
     def invalidate(self, spec: _core.ModelSpec) -> dict:
         """Removes every entry of the spec's fingerprint, in every namespace and tier.
 
         Returns {"memory": n, "disk": n, "redis": n, "redis_complete": bool}."""
         return self._store.invalidate(spec)
+
+    def invalidate_adapter(self, target: _core.ModelSpec, adapter_fingerprint: str) -> dict:
+        """Removes every entry of `target` written back from a conversion by the adapter with
+        this fingerprint (LinearAdapter.fingerprint), in every namespace and tier.
+
+        Returns {"memory": n, "disk": n, "redis": n, "redis_complete": bool}."""
+        return self._store.invalidate_adapter(
+            target, _args.text("adapter_fingerprint", adapter_fingerprint))
 
     def clear(self, tiers: Iterable[str] = ("memory", "disk")) -> None:
         """Removes every entry of `tiers`; Redis, shared with other processes, only if named."""
@@ -171,4 +184,5 @@ class KVStore:
 def prefix_hashes(spec: _core.ModelSpec, tokens: Any, namespace: str = "default",
                   chunk_tokens: int = 256) -> List[str]:
     """[h_0, h_1, ...] as 32-digit hex strings: the salt, then one hash per whole chunk."""
-    return _core.prefix_hashes(spec, as_tokens(tokens), namespace, int(chunk_tokens))
+    return _core.prefix_hashes(spec, as_tokens(tokens), _args.text("namespace", namespace),
+                               _args.size("chunk_tokens", chunk_tokens))

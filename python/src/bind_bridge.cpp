@@ -48,6 +48,8 @@ void bind_bridge(py::module_& m) {
       .def_property_readonly("converted", &Load::converted)
       .def_property_readonly("source", &Load::source)
       .def_property_readonly("quality", &Load::quality)
+      .def_property_readonly("converted_from", &Load::converted_from)
+      .def_property_readonly("adapter", &Load::adapter)
       .def(
           "copy_to",
           [](const Load& load, const std::vector<TensorView>& keys,
@@ -76,7 +78,14 @@ void bind_bridge(py::module_& m) {
             b.add_adapter(std::move(adapter), replace);
           },
           py::arg("adapter"), py::arg("replace") = false)
-      .def("remove_adapter", &Bridge::remove_adapter, py::arg("source"), py::arg("target"))
+      .def("remove_adapter", &Bridge::remove_adapter, py::arg("source"), py::arg("target"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "invalidate_adapter",
+          [](Bridge& b, const LinearAdapter& adapter) {
+            return invalidation([&] { return b.invalidate_adapter(adapter); });
+          },
+          py::arg("adapter"))
       .def("adapters",
            [](const Bridge& b) {
              std::vector<std::shared_ptr<LinearAdapter>> out;

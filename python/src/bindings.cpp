@@ -13,6 +13,29 @@ using namespace kvbridge;
 
 namespace {
 
+// Conversions of Python numbers for constructors that take them as objects, so a wrong type or
+// an int outside int64 is a clear TypeError / InvalidArgumentError naming the argument instead
+// of pybind11's "incompatible constructor arguments" (ranges are checked by ModelSpec::validate).
+int64_t int_arg(const py::handle& v, const char* name) {
+  if (py::isinstance<py::bool_>(v) || !py::isinstance<py::int_>(v))
+    throw py::type_error(std::string(name) + ": expected an int, got " +
+                         std::string(py::str(py::type::of(v).attr("__name__"))) + " " +
+                         std::string(py::repr(v)));
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  KVB_CHECK(overflow == 0, name << ": " << std::string(py::repr(v)) << " is outside int64");
+  return static_cast<int64_t>(x);
+}
+
+double real_arg(const py::handle& v, const char* name) {
+  if (py::isinstance<py::bool_>(v) ||
+      !(py::isinstance<py::float_>(v) || py::isinstance<py::int_>(v)))
+    throw py::type_error(std::string(name) + ": expected a number, got " +
+                         std::string(py::str(py::type::of(v).attr("__name__"))) + " " +
+                         std::string(py::repr(v)));
+  return v.cast<double>();
+}
+
 TensorView make_view(uintptr_t data, const std::string& dtype, std::vector<int64_t> shape,
                      std::vector<int64_t> strides, const std::string& device, int device_index) {
   TensorView v;
@@ -156,14 +179,14 @@ PYBIND11_MODULE(_core, m) {
   m.def("cuda_device_count", &cuda_device_count);
 
   py::class_<RopeScaling>(m, "RopeScaling")
-      .def(py::init([](const std::string& type, double factor, double low, double high,
-                       int64_t original_max_position) {
+      .def(py::init([](const std::string& type, const py::object& factor, const py::object& low,
+                       const py::object& high, const py::object& original_max_position) {
              RopeScaling s;
              s.type = parse_rope_scaling_type(type);
-             s.factor = factor;
-             s.low_freq_factor = low;
-             s.high_freq_factor = high;
-             s.original_max_position = original_max_position;
+             s.factor = real_arg(factor, "factor");
+             s.low_freq_factor = real_arg(low, "low_freq_factor");
+             s.high_freq_factor = real_arg(high, "high_freq_factor");
+             s.original_max_position = int_arg(original_max_position, "original_max_position");
              return s;
            }),
            py::arg("type") = "none", py::arg("factor") = 1.0, py::arg("low_freq_factor") = 1.0,
@@ -177,19 +200,20 @@ PYBIND11_MODULE(_core, m) {
       .def(py::self == py::self);
 
   py::class_<ModelSpec>(m, "ModelSpec")
-      .def(py::init([](std::string name, int64_t num_layers, int64_t num_kv_heads,
-                       int64_t head_dim, const std::string& dtype, std::string version,
-                       std::string tokenizer, double rope_base, const std::string& rope_style,
+      .def(py::init([](std::string name, const py::object& num_layers,
+                       const py::object& num_kv_heads, const py::object& head_dim,
+                       const std::string& dtype, std::string version, std::string tokenizer,
+                       const py::object& rope_base, const std::string& rope_style,
                        const RopeScaling& rope_scaling) {
              ModelSpec s;
              s.name = std::move(name);
-             s.num_layers = num_layers;
-             s.num_kv_heads = num_kv_heads;
-             s.head_dim = head_dim;
+             s.num_layers = int_arg(num_layers, "num_layers");
+             s.num_kv_heads = int_arg(num_kv_heads, "num_kv_heads");
+             s.head_dim = int_arg(head_dim, "head_dim");
              s.dtype = parse_dtype(dtype);
              s.version = std::move(version);
              s.tokenizer = std::move(tokenizer);
-             s.rope_base = rope_base;
+             s.rope_base = real_arg(rope_base, "rope_base");
              s.rope_style = parse_rope_style(rope_style);
              s.rope_scaling = rope_scaling;
              s.validate();
@@ -361,19 +385,16 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "invalidate",
           [](KVStore& store, const ModelSpec& spec) {
-            InvalidateResult r;
-            {
-              py::gil_scoped_release release;
-              r = store.invalidate(spec);
-            }
-            py::dict d;
-            d["memory"] = r.memory;
-            d["disk"] = r.disk;
-            d["redis"] = r.redis;
-            d["redis_complete"] = r.redis_complete;
-            return d;
+            return python::invalidation([&] { return store.invalidate(spec); });
           },
           py::arg("spec"))
+      .def(
+          "invalidate_adapter",
+          [](KVStore& store, const ModelSpec& target, const std::string& adapter_fingerprint) {
+            return python::invalidation(
+                [&] { return store.invalidate_adapter(target, adapter_fingerprint); });
+          },
+          py::arg("target"), py::arg("adapter_fingerprint"))
       .def("clear", &KVStore::clear, py::arg("tiers") = kMemoryTier | kDiskTier,
            py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const KVStore& s) { return stats_dict(s.stats()); })
@@ -400,7 +421,15 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("target", &LinearAdapter::target)
       .def_property_readonly("report", [](const LinearAdapter& a) { return report_dict(a.report()); })
       .def("save", &LinearAdapter::save, py::arg("path"))
-      .def_static("load", &LinearAdapter::load, py::arg("path"))
+      .def_property_readonly("fingerprint", &LinearAdapter::fingerprint)
+      .def_static(
+          "load",
+          [](const std::string& path, bool allow_unchecked) {
+            AdapterLoadOptions o;
+            o.allow_unchecked = allow_unchecked;
+            return LinearAdapter::load(path, o);
+          },
+          py::arg("path"), py::kw_only(), py::arg("allow_unchecked") = false)
       .def(
           "convert",
           [](const LinearAdapter& a, const std::vector<TensorView>& src_keys,

@@ -1,14 +1,19 @@
-// The adapter file: safetensors with JSON metadata.
+// The adapter file: safetensors with JSON metadata and a content checksum (docs/adapter_file.md).
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "kvbridge/adapter.h"
 #include "kvbridge/error.h"
 #include "src/adapter/adapter_impl.h"
 #include "src/adapter/numeric.h"
+#include "src/core/xxh3.h"
 #include "src/io/safetensors.h"
 
 namespace kvbridge {
@@ -16,10 +21,10 @@ namespace {
 
 using nlohmann::json;
 constexpr const char* kFormat = "kvbridge.adapter";
-constexpr const char* kFormatVersion = "1";
-// Largest layer count, KV heads and head dim a file may declare: the fingerprint only proves
-// the fields agree, and load sizes buffers from them before any tensor is checked.
-constexpr int64_t kMaxFileDim = int64_t{1} << 16;
+constexpr const char* kFormatVersion = "2";
+constexpr const char* kUncheckedVersion = "1";  // the format before the checksum
+constexpr const char* kChecksumKey = "checksum";
+constexpr char kChecksumTag[] = "kvbridge.adapter.checksum";
 
 json spec_json(const ModelSpec& s) {
   return json{{"name", s.name},
@@ -59,10 +64,7 @@ ModelSpec spec_from_json(const json& j, const char* what) {
     s.rope_scaling.low_freq_factor = r.at("low_freq_factor").get<double>();
     s.rope_scaling.high_freq_factor = r.at("high_freq_factor").get<double>();
     s.rope_scaling.original_max_position = r.at("original_max_position").get<int64_t>();
-    s.validate();
-    KVB_CHECK(s.num_layers <= kMaxFileDim && s.num_kv_heads <= kMaxFileDim &&
-                  s.head_dim <= kMaxFileDim,
-              "layers, KV heads and head dim must be at most " << kMaxFileDim);
+    s.validate();  // bounds layers, KV heads and head dim (load sizes buffers from them)
     KVB_CHECK(s.fingerprint() == j.at("fingerprint").get<std::string>(),
               "fingerprint does not match the fields");
     return s;
@@ -89,34 +91,51 @@ std::string tensor_name(int64_t layer, int kind, const char* part) {
   return "layers." + std::to_string(layer) + (kind == 0 ? ".key." : ".value.") + part;
 }
 
-io::StTensor f32_tensor(std::string name, const std::vector<float>& v, std::vector<int64_t> shape) {
-  io::StTensor t;
-  t.name = std::move(name);
-  t.dtype = io::StDType::kF32;
-  t.shape = std::move(shape);
-  t.data.resize(v.size() * 4);
-  std::memcpy(t.data.data(), v.data(), t.data.size());
-  return t;
+
+// A tensor as the checksum sees it: shape and raw little-endian bytes.
+struct TensorBytes {
+  std::vector<int64_t> shape;
+  const void* data;
+  size_t bytes;
+};
+
+// XXH3-128 over the tag, every metadata (key, value) but the checksum in key order, then every
+// tensor (name, shape, bytes) in name order; each string and byte run is preceded by its length
+// as u64 little-endian. Metadata values are hashed as stored, so the JSON of the specs, layer map
+// and fit report is covered byte for byte, and key names bind each spec to its role (source or
+// target): swapping them changes the checksum.
+Hash128 content_checksum(const std::map<std::string, std::string>& meta,
+                         const std::map<std::string, TensorBytes>& tensors) {
+  detail::Xxh3Stream h;
+  auto u64 = [&](uint64_t v) {
+    unsigned char b[8];
+    for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
+    h.update(b, 8);
+  };
+  auto bytes = [&](const void* data, size_t n) {
+    u64(n);
+    h.update(data, n);
+  };
+  h.update(kChecksumTag, sizeof kChecksumTag - 1);
+  for (const auto& [key, value] : meta) {
+    if (key == kChecksumKey) continue;
+    bytes(key.data(), key.size());
+    bytes(value.data(), value.size());
+  }
+  for (const auto& [name, t] : tensors) {
+    bytes(name.data(), name.size());
+    u64(t.shape.size());
+    for (int64_t d : t.shape) u64(static_cast<uint64_t>(d));
+    bytes(t.data, t.bytes);
+  }
+  return h.digest();
 }
 
-}  // namespace
-
-void LinearAdapter::save(const std::string& path) const {
-  const Impl& a = *impl_;
-  std::vector<io::StTensor> tensors;
+// The metadata save() writes, without the checksum.
+std::map<std::string, std::string> file_metadata(const LinearAdapter::Impl& a) {
   json layers = json::array(), report = json::array();
   for (int64_t j = 0; j < a.target.num_layers; ++j) {
-    const auto& S = a.layers[static_cast<size_t>(j)];
-    layers.push_back(S);
-    const int64_t features = static_cast<int64_t>(S.size()) * 2 * a.source_width();
-    for (int kind = 0; kind < 2; ++kind) {
-      tensors.push_back(f32_tensor(tensor_name(j, kind, "weight"),
-                                   a.weights[static_cast<size_t>(j)][static_cast<size_t>(kind)],
-                                   {features, a.target_width()}));
-      tensors.push_back(f32_tensor(tensor_name(j, kind, "bias"),
-                                   a.bias[static_cast<size_t>(j)][static_cast<size_t>(kind)],
-                                   {a.target_width()}));
-    }
+    layers.push_back(a.layers[static_cast<size_t>(j)]);
     const LayerFit& lf = a.report.layers[static_cast<size_t>(j)];
     report.push_back({{"r2_key", lf.r2_key}, {"r2_value", lf.r2_value},
                       {"ridge_key", lf.ridge_key}, {"ridge_value", lf.ridge_value}});
@@ -124,18 +143,96 @@ void LinearAdapter::save(const std::string& path) const {
   const json fit = {{"layers", report},
                     {"train_tokens", a.report.train_tokens},
                     {"holdout_tokens", a.report.holdout_tokens}};
-  const std::map<std::string, std::string> meta = {
-      {"format", kFormat},
-      {"format_version", kFormatVersion},
-      {"source_spec", spec_json(a.source).dump()},
-      {"target_spec", spec_json(a.target).dump()},
-      {"layer_map", layers.dump()},
-      {"rope_aware", a.report.rope_aware ? "true" : "false"},
-      {"fit_report", fit.dump()}};
+  return {{"format", kFormat},
+          {"format_version", kFormatVersion},
+          {"source_spec", spec_json(a.source).dump()},
+          {"target_spec", spec_json(a.target).dump()},
+          {"layer_map", layers.dump()},
+          {"rope_aware", a.report.rope_aware ? "true" : "false"},
+          {"fit_report", fit.dump()}};
+}
+
+// The adapter's tensors by file name, viewing its weights (no copy).
+std::map<std::string, TensorBytes> file_tensors(const LinearAdapter::Impl& a) {
+  std::map<std::string, TensorBytes> out;
+  for (int64_t j = 0; j < a.target.num_layers; ++j) {
+    const auto& S = a.layers[static_cast<size_t>(j)];
+    const int64_t features = static_cast<int64_t>(S.size()) * 2 * a.source_width();
+    for (int kind = 0; kind < 2; ++kind) {
+      const std::vector<float>& w = a.weights[static_cast<size_t>(j)][static_cast<size_t>(kind)];
+      const std::vector<float>& b = a.bias[static_cast<size_t>(j)][static_cast<size_t>(kind)];
+      out[tensor_name(j, kind, "weight")] = {{features, a.target_width()}, w.data(), 4 * w.size()};
+      out[tensor_name(j, kind, "bias")] = {{a.target_width()}, b.data(), 4 * b.size()};
+    }
+  }
+  return out;
+}
+
+// A fit-report number, named in the error when it is missing, not a number or out of range.
+double report_number(const json& j, const char* key, size_t layer) {
+  const auto it = j.find(key);
+  KVB_CHECK_AS(Corrupt, it != j.end() && it->is_number(),
+               "adapter file: fit_report.layers[" << layer << "]." << key << " is not a number");
+  return it->get<double>();
+}
+
+int64_t report_count(const json& j, const char* key) {
+  const auto it = j.find(key);
+  // JSON integers >= 0 parse as unsigned; negative ones and fractions do not.
+  constexpr auto kMax = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  KVB_CHECK_AS(Corrupt, it != j.end() && it->is_number_unsigned() && it->get<uint64_t>() <= kMax,
+               "adapter file: fit_report." << key << " must be an integer >= 0");
+  return it->get<int64_t>();
+}
+
+// The report's ranges: R² finite and at most 1 (1 - SSE/SST with SSE >= 0), ridge finite and >= 0.
+LayerFit report_layer(const json& j, size_t layer) {
+  LayerFit lf;
+  for (auto [key, out] : {std::pair<const char*, double*>{"r2_key", &lf.r2_key},
+                          {"r2_value", &lf.r2_value}}) {
+    *out = report_number(j, key, layer);
+    KVB_CHECK_AS(Corrupt, std::isfinite(*out) && *out <= 1,
+                 "adapter file: fit_report.layers[" << layer << "]." << key << " is " << *out
+                                                    << ", not a finite R² <= 1");
+  }
+  for (auto [key, out] : {std::pair<const char*, double*>{"ridge_key", &lf.ridge_key},
+                          {"ridge_value", &lf.ridge_value}}) {
+    *out = report_number(j, key, layer);
+    KVB_CHECK_AS(Corrupt, std::isfinite(*out) && *out >= 0,
+                 "adapter file: fit_report.layers[" << layer << "]." << key << " is " << *out
+                                                    << ", not a finite ridge >= 0");
+  }
+  return lf;
+}
+
+}  // namespace
+
+std::string LinearAdapter::fingerprint() const {
+  std::call_once(impl_->fingerprint_once, [&] {
+    impl_->fingerprint = content_checksum(file_metadata(*impl_), file_tensors(*impl_)).hex();
+  });
+  return impl_->fingerprint;
+}
+
+void LinearAdapter::save(const std::string& path) const {
+  const Impl& a = *impl_;
+  std::map<std::string, std::string> meta = file_metadata(a);
+  const std::map<std::string, TensorBytes> views = file_tensors(a);
+  meta[kChecksumKey] = content_checksum(meta, views).hex();
+  std::vector<io::StTensor> tensors;
+  for (const auto& [name, t] : views) {
+    io::StTensor st;
+    st.name = name;
+    st.dtype = io::StDType::kF32;
+    st.shape = t.shape;
+    st.data.resize(t.bytes);
+    std::memcpy(st.data.data(), t.data, t.bytes);
+    tensors.push_back(std::move(st));
+  }
   io::write_safetensors(path, tensors, meta);
 }
 
-LinearAdapter LinearAdapter::load(const std::string& path) {
+LinearAdapter LinearAdapter::load(const std::string& path, const AdapterLoadOptions& options) {
   const io::StFile file = io::read_safetensors(path);
   const auto& meta = file.metadata;
   auto get = [&](const char* key) {
@@ -145,9 +242,29 @@ LinearAdapter LinearAdapter::load(const std::string& path) {
   };
   KVB_CHECK_AS(Corrupt, get("format") == kFormat,
                "adapter file " << path << ": format is '" << get("format") << "', not " << kFormat);
-  KVB_CHECK_AS(Corrupt, get("format_version") == kFormatVersion,
-               "adapter file " << path << ": unknown format_version '" << get("format_version")
-                               << "' (this library reads " << kFormatVersion << ")");
+  const std::string version = get("format_version");
+  KVB_CHECK_AS(Corrupt, version == kFormatVersion || version == kUncheckedVersion,
+               "adapter file " << path << ": unknown format_version '" << version
+                               << "' (this library reads " << kFormatVersion << " and "
+                               << kUncheckedVersion << ")");
+  // The checksum first: nothing of a damaged or edited file is trusted.
+  const auto sum = meta.find(kChecksumKey);
+  if (sum != meta.end()) {
+    std::map<std::string, TensorBytes> views;
+    for (const auto& [name, t] : file.tensors)
+      views[name] = {t.shape, t.data.data(), t.data.size()};
+    const std::string actual = content_checksum(meta, views).hex();
+    KVB_CHECK_AS(Corrupt, sum->second == actual,
+                 "adapter file " << path << ": checksum mismatch (the file says " << sum->second
+                                 << ", its content hashes to " << actual
+                                 << "): it is damaged or was edited");
+  } else {
+    KVB_CHECK_AS(Corrupt, options.allow_unchecked,
+                 "adapter file " << path << ": no checksum (format_version " << version
+                                 << " or a writer that dropped it), so damage cannot be detected; "
+                                    "load it with allow_unchecked=True only if you trust it, "
+                                    "and save() it again to add one");
+  }
   auto a = std::make_unique<Impl>();
   a->source = spec_from_json(parse_json(meta, "source_spec"), "source_spec");
   a->target = spec_from_json(parse_json(meta, "target_spec"), "target_spec");
@@ -162,11 +279,12 @@ LinearAdapter LinearAdapter::load(const std::string& path) {
   try {
     KVB_CHECK_AS(Corrupt, layers.is_array() && static_cast<int64_t>(layers.size()) == a->target.num_layers,
                  "adapter file: layer_map needs one list per target layer");
+    KVB_CHECK_AS(Corrupt, fit.is_object(), "adapter file: fit_report is not an object");
     const json& fit_layers = fit.at("layers");
     KVB_CHECK_AS(Corrupt, fit_layers.is_array() && fit_layers.size() == layers.size(),
                  "adapter file: fit_report.layers needs one entry per target layer");
-    a->report.train_tokens = fit.at("train_tokens").get<int64_t>();
-    a->report.holdout_tokens = fit.at("holdout_tokens").get<int64_t>();
+    a->report.train_tokens = report_count(fit, "train_tokens");
+    a->report.holdout_tokens = report_count(fit, "holdout_tokens");
     for (size_t j = 0; j < layers.size(); ++j) {
       std::vector<int64_t> S = layers[j].get<std::vector<int64_t>>();
       KVB_CHECK_AS(Corrupt, !S.empty() && std::is_sorted(S.begin(), S.end()) &&
@@ -175,19 +293,16 @@ LinearAdapter LinearAdapter::load(const std::string& path) {
       for (int64_t l : S)
         KVB_CHECK_AS(Corrupt, l >= 0 && l < a->source.num_layers,
                      "adapter file: layer_map[" << j << "] names source layer " << l);
-      LayerFit lf;
+      KVB_CHECK_AS(Corrupt, fit_layers[j].is_object(),
+                   "adapter file: fit_report.layers[" << j << "] is not an object");
+      LayerFit lf = report_layer(fit_layers[j], j);
       lf.source_layers = S;
-      lf.r2_key = fit_layers[j].at("r2_key").get<double>();
-      lf.r2_value = fit_layers[j].at("r2_value").get<double>();
-      lf.ridge_key = fit_layers[j].at("ridge_key").get<double>();
-      lf.ridge_value = fit_layers[j].at("ridge_value").get<double>();
       a->report.layers.push_back(lf);
       a->layers.push_back(std::move(S));
     }
   } catch (const json::exception& e) {
     KVB_CHECK_AS(Corrupt, false, "adapter file: layer_map or fit_report: " << e.what());
   }
-
   size_t used = 0;
   for (int64_t j = 0; j < a->target.num_layers; ++j) {
     const int64_t features =

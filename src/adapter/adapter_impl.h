@@ -4,6 +4,7 @@
 #include <array>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "kvbridge/adapter.h"
@@ -29,6 +30,9 @@ struct LinearAdapter::Impl {
   /// devices inside it.
   mutable std::mutex cuda_mutex;
   mutable std::unique_ptr<CudaCache, CudaCacheDeleter> cuda_cache;
+  /// LinearAdapter::fingerprint(), computed once on first use.
+  mutable std::once_flag fingerprint_once;
+  mutable std::string fingerprint;
 
   int64_t source_width() const { return source.num_kv_heads * source.head_dim; }
   int64_t target_width() const { return target.num_kv_heads * target.head_dim; }

@@ -408,8 +408,8 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   KVB_CHECK(src.tokens() == dst.tokens(), "target_kv holds " << dst.tokens()
                                                              << " tokens but source_kv holds "
                                                              << src.tokens());
-  KVB_CHECK(start_pos >= 0, "start_pos must be >= 0, got " << start_pos);
   const int64_t T = src.tokens();
+  detail::check_positions(start_pos, T);
   if (T == 0) return;
 
   const int64_t sw = a.source_width(), tw = a.target_width();

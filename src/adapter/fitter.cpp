@@ -99,7 +99,7 @@ MapFit fit_map(const RidgeBasis& b, const VecD& sy, const MatD& xy, const VecD& 
   MapFit best;
   for (double alpha : grid) {
     const VecD d = (b.lambda.array() + alpha * b.scale).inverse();
-    const double sse = e - 2 * d.dot(u) + d.dot(H * d);
+    const double sse = std::max(e - 2 * d.dot(u) + d.dot(H * d), 0.0);  // >= 0 but for rounding
     const double r2 = 1 - sse / sst;
     if (r2 > best.r2) {
       best.r2 = r2;
@@ -477,8 +477,8 @@ std::vector<std::vector<int64_t>> AdapterFitter::candidate_layers() const {
 void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos) {
   Impl& m = *impl_;
   check_pair(m.source, m.target, src, tgt, "source_kv", "target_kv");
-  KVB_CHECK(start_pos >= 0, "start_pos must be >= 0, got " << start_pos);
   const int64_t T = src.tokens();
+  detail::check_positions(start_pos, T);
   if (T == 0) return;
   const int64_t Fl = m.layer_features, O = m.outputs, Lt = m.target.num_layers;
   const bool probing = m.probing();

@@ -19,8 +19,8 @@ template <typename T>
 void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
                   const KVView& dst) {
   check_pair(a.source, a.target, src, dst, "source_kv", "target_kv");
-  KVB_CHECK(start_pos >= 0, "start_pos must be >= 0, got " << start_pos);
   const int64_t T_ = src.tokens();
+  detail::check_positions(start_pos, T_);
   if (T_ == 0) return;
   const int64_t sw = a.source_width(), tw = a.target_width();
   const bool rope = a.report.rope_aware;

@@ -107,32 +107,46 @@ void Bridge::add_adapter(std::shared_ptr<const LinearAdapter> adapter, bool repl
                 << source.tokenizer << "' (" << source.name << ") and '" << target.tokenizer
                 << "' (" << target.name << ")");
   entry.quality = quality(*adapter);
-  entry.adapter = std::move(adapter);
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  for (Registered& r : impl_->registry) {
-    if (r.source_fp == entry.source_fp && r.target_fp == entry.target_fp) {
-      KVB_CHECK(replace, "add_adapter: an adapter " << source.name << " -> " << target.name
-                                                    << " is already registered (pass replace)");
-      r = std::move(entry);
+  entry.adapter = adapter;
+  std::shared_ptr<const LinearAdapter> replaced;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    auto& reg = impl_->registry;
+    auto it = std::find_if(reg.begin(), reg.end(), [&](const Registered& r) {
+      return r.source_fp == entry.source_fp && r.target_fp == entry.target_fp;
+    });
+    if (it == reg.end()) {
+      reg.push_back(std::move(entry));
       return;
     }
+    KVB_CHECK(replace, "add_adapter: an adapter " << source.name << " -> " << target.name
+                                                  << " is already registered (pass replace)");
+    replaced = std::move(it->adapter);
+    *it = std::move(entry);
   }
-  impl_->registry.push_back(std::move(entry));
+  // Outside the lock (it scans every tier); loads meanwhile already use the new adapter.
+  if (replaced->fingerprint() != adapter->fingerprint()) invalidate_adapter(*replaced);
 }
 
 bool Bridge::remove_adapter(const ModelSpec& source, const ModelSpec& target) {
   const std::string source_fp = source.fingerprint(), target_fp = target.fingerprint();
-  std::shared_ptr<const LinearAdapter> gone;  // released after the lock is dropped
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  auto& reg = impl_->registry;
-  for (auto it = reg.begin(); it != reg.end(); ++it) {
-    if (it->source_fp == source_fp && it->target_fp == target_fp) {
-      gone = std::move(it->adapter);
-      reg.erase(it);
-      return true;
-    }
+  std::shared_ptr<const LinearAdapter> gone;  // purged and released after the lock is dropped
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    auto& reg = impl_->registry;
+    auto it = std::find_if(reg.begin(), reg.end(), [&](const Registered& r) {
+      return r.source_fp == source_fp && r.target_fp == target_fp;
+    });
+    if (it == reg.end()) return false;
+    gone = std::move(it->adapter);
+    reg.erase(it);
   }
-  return false;
+  invalidate_adapter(*gone);
+  return true;
+}
+
+InvalidateResult Bridge::invalidate_adapter(const LinearAdapter& adapter) {
+  return impl_->store.invalidate_adapter(adapter.target(), adapter.fingerprint());
 }
 
 std::vector<std::shared_ptr<const LinearAdapter>> Bridge::adapters() const {
@@ -213,6 +227,15 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
     out.native_tokens_ = out.tokens_;
     out.source_ = spec.name;
     out.quality_ = std::numeric_limits<double>::quiet_NaN();
+    // Entries an earlier conversion wrote back are native hits now; say where they came from.
+    for (int64_t c = 0; c < native.chunks(); ++c) {
+      const Provenance p = native.provenance(c);
+      if (p.converted()) {
+        out.converted_from_ = p.source_fingerprint;
+        out.adapter_ = p.adapter_fingerprint;
+        break;
+      }
+    }
     out.native_ = std::move(native);
     m.native_hits.fetch_add(1, std::memory_order_relaxed);
     m.native_tokens.fetch_add(out.tokens_, std::memory_order_relaxed);
@@ -242,9 +265,10 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
   m.conversions.fetch_add(1, std::memory_order_relaxed);
   m.converted_tokens.fetch_add(missing, std::memory_order_relaxed);
 
+  const Provenance provenance{adapter.source().fingerprint(), adapter.fingerprint()};
   if (m.options.write_back) {
     const int64_t cached = m.store.put(spec, TokenSpan(tokens.data, static_cast<size_t>(total)),
-                                       full, ns);
+                                       full, ns, provenance);
     m.written_back_tokens.fetch_add(std::max<int64_t>(cached - native_len, 0),
                                     std::memory_order_relaxed);
   }
@@ -254,6 +278,8 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
   out.converted_ = true;
   out.source_ = adapter.source().name;
   out.quality_ = best->quality;
+  out.converted_from_ = provenance.source_fingerprint;
+  out.adapter_ = provenance.adapter_fingerprint;
   out.buffer_view_ = full.slice_tokens(0, out.tokens_);
   out.buffer_ = std::move(buffer);
   m.converted_hits.fetch_add(1, std::memory_order_relaxed);

@@ -67,22 +67,30 @@ RopeStyle parse_rope_style(const std::string& name) {
 
 void ModelSpec::validate() const {
   KVB_CHECK(!name.empty(), "ModelSpec.name must not be empty");
-  KVB_CHECK(num_layers > 0, "ModelSpec.num_layers must be > 0, got " << num_layers);
-  KVB_CHECK(num_kv_heads > 0, "ModelSpec.num_kv_heads must be > 0, got " << num_kv_heads);
-  KVB_CHECK(head_dim > 0 && head_dim % 2 == 0,
-            "ModelSpec.head_dim must be a positive even number, got " << head_dim);
+  KVB_CHECK(num_layers > 0 && num_layers <= kMaxDim,
+            "ModelSpec.num_layers must be in [1, " << kMaxDim << "], got " << num_layers);
+  KVB_CHECK(num_kv_heads > 0 && num_kv_heads <= kMaxDim,
+            "ModelSpec.num_kv_heads must be in [1, " << kMaxDim << "], got " << num_kv_heads);
+  KVB_CHECK(head_dim > 0 && head_dim <= kMaxDim && head_dim % 2 == 0,
+            "ModelSpec.head_dim must be an even number in [2, " << kMaxDim << "], got "
+                                                               << head_dim);
   KVB_CHECK(std::isfinite(rope_base) && rope_base > 0,
             "ModelSpec.rope_base must be finite and > 0, got " << rope_base);
   const RopeScaling& s = rope_scaling;
   KVB_CHECK(std::isfinite(s.factor) && s.factor > 0,
             "ModelSpec.rope_scaling.factor must be finite and > 0, got " << s.factor);
+  // Every field is finite whatever the type: it is part of the identity (a NaN would make the
+  // spec unequal to itself).
+  KVB_CHECK(std::isfinite(s.low_freq_factor) && std::isfinite(s.high_freq_factor),
+            "ModelSpec.rope_scaling: low_freq_factor and high_freq_factor must be finite, got "
+                << s.low_freq_factor << ", " << s.high_freq_factor);
   if (s.type == RopeScaling::Type::kLlama3) {
     KVB_CHECK(s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor,
               "ModelSpec.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
                   << s.low_freq_factor << ", " << s.high_freq_factor);
-    KVB_CHECK(s.original_max_position > 0,
+    KVB_CHECK(s.original_max_position > 0 && s.original_max_position <= (int64_t{1} << 53),
               "ModelSpec.rope_scaling.original_max_position must be > 0, got "
-                  << s.original_max_position);
+                  << s.original_max_position << " (at most 2^53)");
   }
 }
 

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "kvbridge/error.h"
+#include "src/core/path_check.h"
 
 namespace kvbridge::io {
 namespace {
@@ -319,9 +320,10 @@ StFile parse_safetensors(const unsigned char* data, size_t size) {
 }
 
 StFile read_safetensors(const std::string& path) {
+  detail::check_path(path, "safetensors: path");
   int fd;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  do {  // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below)
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   } while (fd < 0 && errno == EINTR);
   if (fd < 0) {
     const int err = errno;
@@ -330,13 +332,19 @@ StFile read_safetensors(const std::string& path) {
     KVB_CHECK_AS(Unavailable, false,
                  "safetensors: cannot open '" << path << "': " << errno_text(err));
   }
-  std::vector<unsigned char> bytes;
   struct stat st {};
-  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0)
-    bytes.reserve(static_cast<size_t>(st.st_size));
-  unsigned char chunk[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd, chunk, sizeof(chunk));
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    KVB_CHECK_AS(Corrupt, false,
+                 "safetensors: '" << path << "' is not a regular file (a device, FIFO, socket "
+                                     "or directory is never read)");
+  }
+  // A regular file's size bounds the read; the header length is checked against it by
+  // parse_safetensors before anything is sized from the header.
+  std::vector<unsigned char> bytes(static_cast<size_t>(st.st_size));
+  size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
     if (n < 0) {
       if (errno == EINTR) continue;
       const int err = errno;
@@ -344,9 +352,10 @@ StFile read_safetensors(const std::string& path) {
       KVB_CHECK_AS(Unavailable, false,
                    "safetensors: cannot read '" << path << "': " << errno_text(err));
     }
-    if (n == 0) break;
-    bytes.insert(bytes.end(), chunk, chunk + n);
+    if (n == 0) break;  // shrank while reading: parsed as the shorter file it now is
+    got += static_cast<size_t>(n);
   }
+  bytes.resize(got);
   ::close(fd);
   try {
     return parse_safetensors(bytes.data(), bytes.size());
@@ -357,6 +366,7 @@ StFile read_safetensors(const std::string& path) {
 
 void write_safetensors(const std::string& path, const std::vector<StTensor>& tensors,
                        const std::map<std::string, std::string>& metadata) {
+  detail::check_path(path, "safetensors: path");
   json header = json::object();
   std::set<std::string> names;
   uint64_t offset = 0;

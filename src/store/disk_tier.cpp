@@ -728,7 +728,7 @@ bool DiskTier::has_file(const Hash128& key, const Fingerprint& fp) {
   return impl_->stat_file(key, fp, impl_->clock());
 }
 
-LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, int64_t* created_ms) {
+LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, LoadedMeta* meta) {
   Impl& m = *impl_;
   TierCounters& c = *m.counters;
   uint64_t gen = 0;
@@ -823,7 +823,7 @@ LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, int64_t* cre
       m.order.touch(it->second.order, want.key);
     }
   }
-  *created_ms = h.created_ms;
+  *meta = LoadedMeta::of(h);
   return LoadResult::kHit;
 }
 
@@ -938,6 +938,31 @@ int64_t DiskTier::invalidate(const Fingerprint& fp) {
   // The emptied directories stay: another store may be writing into them (a directory made
   // again between its mkdir and its open would fail the write). A store that opens the
   // directory alone removes empty ones.
+  return removed;
+}
+
+int64_t DiskTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  int64_t removed = 0;
+  m.walk(
+      &fp,
+      [&](const std::string& path, const Hash128& key, const Fingerprint&) {
+        Fingerprint field{};
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) return;
+        struct stat st{};
+        const bool named = ::fstat(fd, &st) == 0 &&
+                           ::pread(fd, field.data(), field.size(), kEntryAdapterOffset) ==
+                               static_cast<ssize_t>(field.size()) &&
+                           field == adapter;
+        ::close(fd);
+        if (!named || !m.remove_file(path, "", st.st_ino)) return;
+        ++removed;
+        auto it = m.index.find(key);
+        if (it != m.index.end()) m.drop_locked(it);
+      },
+      [](const std::string&, const std::string&) {});
   return removed;
 }
 

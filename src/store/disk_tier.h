@@ -34,8 +34,8 @@ class DiskTier {
   bool has_file(const Hash128& key, const Fingerprint& fp);
 
   /// Reads and verifies key's entry into `payload` (want.payload_bytes bytes); on kHit also sets
-  /// *created_ms. Corrupt files are moved to the quarantine directory; never throws.
-  LoadResult load(const ExpectedEntry& want, char* payload, int64_t* created_ms);
+  /// *meta. Corrupt files are moved to the quarantine directory; never throws.
+  LoadResult load(const ExpectedEntry& want, char* payload, LoadedMeta* meta);
 
   /// Writes one entry: `prefix` is its encoded header + tokens, `checksum` the XXH3-128 of
   /// prefix + payload. Returns false (counted) when it does not fit the budget or an I/O error
@@ -50,6 +50,9 @@ class DiskTier {
   /// Removes every file of the model fingerprint (whichever store wrote it); returns how many
   /// this call removed.
   int64_t invalidate(const Fingerprint& fp);
+  /// Removes every file of the model fingerprint whose provenance names `adapter` (read from
+  /// each file's header, whichever store wrote it); returns how many this call removed.
+  int64_t invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter);
   /// Removes every entry file of the directory; returns how many this call removed.
   int64_t clear();
 

@@ -12,8 +12,6 @@ namespace kvbridge::detail {
 namespace {
 
 constexpr char kMagic[8] = {'K', 'V', 'B', 'E', 'N', 'T', 'R', 'Y'};
-// Largest dimension accepted when decoding: keeps every product below 2^63.
-constexpr int64_t kMaxDim = int64_t{1} << 24;
 
 void put_u32(unsigned char* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
@@ -49,6 +47,24 @@ Fingerprint to_fingerprint(const std::string& hex) {
 
 std::string fingerprint_string(const Fingerprint& fp) { return std::string(fp.data(), fp.size()); }
 
+EntryProvenance to_entry_provenance(const Provenance& p) {
+  auto field = [](const std::string& hex, const char* name) {
+    KVB_CHECK(hex.size() == 32 && std::all_of(hex.begin(), hex.end(), is_hex_digit),
+              "provenance." << name << " must be 32 lowercase hex digits, got '" << hex << "'");
+    return to_fingerprint(hex);
+  };
+  EntryProvenance e;
+  if (p.source_fingerprint.empty() && p.adapter_fingerprint.empty()) return e;
+  e.source = field(p.source_fingerprint, "source_fingerprint");
+  e.adapter = field(p.adapter_fingerprint, "adapter_fingerprint");
+  return e;
+}
+
+Provenance from_entry_provenance(const EntryProvenance& p) {
+  if (!p.converted()) return {};
+  return Provenance{fingerprint_string(p.source), fingerprint_string(p.adapter)};
+}
+
 int64_t stored_payload_bytes(StorageFormat storage, DType dtype, int64_t layers, int64_t chunk,
                              int64_t kv_heads, int64_t head_dim) {
   if (storage == StorageFormat::kInt8) return int8_payload_bytes(layers, chunk, kv_heads, head_dim);
@@ -79,6 +95,10 @@ void encode_entry_prefix(const EntryHeader& h, const uint32_t* tokens, unsigned 
   put_hash(out + 88, h.parent);
   put_hash(out + 104, h.salt);
   std::memcpy(out + 120, h.fingerprint.data(), 32);
+  if (h.provenance.converted()) {
+    std::memcpy(out + kEntrySourceOffset, h.provenance.source.data(), 32);
+    std::memcpy(out + kEntryAdapterOffset, h.provenance.adapter.data(), 32);
+  }
   unsigned char* t = out + kEntryHeaderBytes;
   for (int64_t i = 0; i < h.chunk; ++i) put_u32(t + 4 * i, tokens[i]);
 }
@@ -112,7 +132,7 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
   const uint32_t storage = get_u32(in + 20);
   KVB_CHECK_AS(Corrupt, storage <= static_cast<uint32_t>(StorageFormat::kInt8),
                "entry: unknown storage format " << storage);
-  for (size_t off = 152; off < kEntryHeaderBytes; ++off)
+  for (size_t off = kEntryAdapterOffset + 32; off < kEntryHeaderBytes; ++off)
     KVB_CHECK_AS(Corrupt, in[off] == 0, "entry: reserved header byte " << off << " is not zero");
   EntryHeader h;
   h.dtype = static_cast<DType>(dtype);
@@ -120,7 +140,7 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
   int64_t* dims[] = {&h.layers, &h.chunk, &h.kv_heads, &h.head_dim};
   for (int i = 0; i < 4; ++i) {
     const uint64_t v = get_u64(in + 24 + 8 * i);
-    KVB_CHECK_AS(Corrupt, v >= 1 && v <= static_cast<uint64_t>(kMaxDim),
+    KVB_CHECK_AS(Corrupt, v >= 1 && v <= static_cast<uint64_t>(kEntryMaxDim),
                  "entry: dimension " << i << " is " << v);
     *dims[i] = static_cast<int64_t>(v);
   }
@@ -142,6 +162,17 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
   h.salt = get_hash(in + 104);
   std::memcpy(h.fingerprint.data(), in + 120, 32);
   for (char c : h.fingerprint) KVB_CHECK_AS(Corrupt, is_hex_digit(c), "entry: bad fingerprint");
+  // Provenance: both fields zero (the model's own KV) or both fingerprints.
+  std::memcpy(h.provenance.source.data(), in + kEntrySourceOffset, 32);
+  std::memcpy(h.provenance.adapter.data(), in + kEntryAdapterOffset, 32);
+  const bool native = std::all_of(in + kEntrySourceOffset, in + kEntryAdapterOffset + 32,
+                                  [](unsigned char b) { return b == 0; });
+  if (!native) {
+    for (char c : h.provenance.source)
+      KVB_CHECK_AS(Corrupt, is_hex_digit(c), "entry: bad provenance source fingerprint");
+    for (char c : h.provenance.adapter)
+      KVB_CHECK_AS(Corrupt, is_hex_digit(c), "entry: bad provenance adapter fingerprint");
+  }
   return h;
 }
 

@@ -1,7 +1,8 @@
 // The packed form of one chunk entry, shared by the disk tier (one file per entry) and the Redis
 // tier (one value per entry). docs/storage.md is the byte-level specification:
 //
-//   header   160 bytes (magic, version, geometry, created time, key, parent, salt, fingerprint)
+//   header   224 bytes (magic, version, geometry, created time, key, parent, salt, fingerprint,
+//            provenance)
 //   tokens   4 * chunk bytes, u32 little-endian
 //   payload  the chunk's KV: native storage [layers, 2, chunk, kv_heads, head_dim] dense,
 //            little-endian; int8 storage the scales and codes of src/store/int8_codec.h
@@ -19,11 +20,37 @@
 
 namespace kvbridge::detail {
 
-constexpr size_t kEntryHeaderBytes = 160;
+// Version 2 added the provenance fields (bytes 152..215); version 1 entries (160-byte headers)
+// are not read: they are corrupt misses, removed, and the next put writes the chunk again.
+constexpr size_t kEntryHeaderBytes = 224;
 constexpr size_t kEntryTrailerBytes = 16;
-constexpr uint32_t kEntryFormatVersion = 1;
+constexpr uint32_t kEntryFormatVersion = 2;
+// Offsets of the provenance fields: the source model's and the adapter's fingerprints.
+constexpr size_t kEntrySourceOffset = 152;
+constexpr size_t kEntryAdapterOffset = 184;
+
+// Largest dimension (layers, chunk tokens, KV heads, head dim) an entry may have: keeps every
+// product below 2^63 and bounds StoreOptions::chunk_tokens.
+constexpr int64_t kEntryMaxDim = int64_t{1} << 24;
 
 using Fingerprint = std::array<char, 32>;  // ModelSpec::fingerprint() digits, no terminator
+
+/// Where an entry's KV came from: all zero bytes for the model's own KV; for KV converted from
+/// another model and written back, that model's fingerprint and the adapter's
+/// (LinearAdapter::fingerprint()), 32 lowercase hex digits each.
+struct EntryProvenance {
+  Fingerprint source{};
+  Fingerprint adapter{};
+  bool converted() const { return adapter[0] != 0; }
+  bool operator==(const EntryProvenance& o) const {
+    return source == o.source && adapter == o.adapter;
+  }
+};
+
+/// The two forms of Provenance (kv_store.h) agree: strings (empty or 32 lowercase hex digits,
+/// both or neither; InvalidArgument otherwise) to the fixed form and back.
+EntryProvenance to_entry_provenance(const Provenance& p);
+Provenance from_entry_provenance(const EntryProvenance& p);
 
 Fingerprint to_fingerprint(const std::string& hex);
 std::string fingerprint_string(const Fingerprint& fp);
@@ -37,6 +64,7 @@ struct EntryHeader {
   int64_t created_ms = 0;
   Hash128 key, parent, salt;
   Fingerprint fingerprint{};
+  EntryProvenance provenance;
 };
 
 /// Payload bytes of one entry of this geometry: native 2*L*T*H*D*dtype_size, int8 see
@@ -61,8 +89,9 @@ Hash128 entry_checksum(const unsigned char* prefix, size_t prefix_bytes, const v
 void encode_trailer(const Hash128& checksum, unsigned char out[kEntryTrailerBytes]);
 Hash128 decode_trailer(const unsigned char in[kEntryTrailerBytes]);
 
-/// Parses the 160 header bytes and checks that they are self-consistent and describe an entry
-/// of exactly `total_bytes` (the file or value size). Throws Corrupt saying what is wrong.
+/// Parses the kEntryHeaderBytes header bytes and checks that they are self-consistent and
+/// describe an entry of exactly `total_bytes` (the file or value size). Throws Corrupt saying
+/// what is wrong.
 EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes);
 
 }  // namespace kvbridge::detail

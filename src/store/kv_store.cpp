@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "kvbridge/error.h"
+#include "src/core/path_check.h"
 #include "src/core/xxh3.h"
 #include "src/store/disk_tier.h"
 #include "src/store/entry_codec.h"
@@ -139,9 +140,13 @@ struct ChunkEntry {
   DType dtype = DType::kFloat32;
   StorageFormat storage = StorageFormat::kNative;
   Fingerprint fp{};
+  detail::EntryProvenance provenance;  // recorded in the lower tiers' headers too
   int64_t created_ms = 0;
   int64_t accounted = 0;
   std::shared_ptr<Accountant> accountant;
+  // RedisTier::epoch() when this entry was last known to be in Redis (written or read there);
+  // -1: never. A put re-sends the chunk while it differs from the tier's current epoch.
+  mutable std::atomic<int64_t> redis_epoch{-1};
 
   ChunkEntry() = default;
   ChunkEntry(const ChunkEntry&) = delete;
@@ -313,6 +318,7 @@ Packed pack(const ChunkEntry& e, const Hash128& key) {
   h.parent = e.parent;
   h.salt = e.salt;
   h.fingerprint = e.fp;
+  h.provenance = e.provenance;
   Packed p;
   p.prefix.resize(detail::entry_prefix_bytes(e.chunk));
   detail::encode_entry_prefix(h, e.tokens.data(), p.prefix.data());
@@ -411,6 +417,28 @@ struct KVStore::Impl {
     s.map.erase(it);
     entries.fetch_sub(1, std::memory_order_relaxed);
     return gone;
+  }
+
+  // Removes every memory entry `doomed` selects (pinned ones leave the index at once and are
+  // freed when unpinned); returns how many.
+  template <typename Pred>
+  int64_t erase_memory_if(const Pred& doomed) {
+    int64_t removed = 0;
+    for (auto& shard : shards) {
+      Shard& s = *shard;
+      std::vector<std::shared_ptr<ChunkEntry>> gone;  // freed after the lock is dropped
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        for (auto it = s.map.begin(); it != s.map.end();) {
+          auto next = std::next(it);
+          if (doomed(*it->second.entry)) gone.push_back(unlink_locked(s, it));
+          it = next;
+        }
+      }
+      removed += static_cast<int64_t>(gone.size());
+    }
+    erased.fetch_add(removed, std::memory_order_relaxed);
+    return removed;
   }
 
   // Evicts the coldest unpinned entry of the next shard that has one.
@@ -571,6 +599,7 @@ struct KVStore::Impl {
     size_t count = 0;
     std::vector<RemoteSlot> slots;
     std::vector<std::string> names;
+    int64_t epoch = -1;  // RedisTier::epoch() before the fetch
   };
 
   // Fetches the values of chunk c and of the following chunks that neither memory nor disk
@@ -588,6 +617,7 @@ struct KVStore::Impl {
     const size_t limit = std::max<size_t>(
         1, std::min<size_t>(1024, static_cast<size_t>(options.redis_batch_bytes) / value_bytes));
     w->begin = c;
+    w->epoch = redis->epoch();
     w->names.clear();
     w->names.push_back(redis->key_for(call.ns, call.fp, keys.at(c)));
     for (size_t k = c + 1; k < chunks && w->names.size() < limit; ++k) {
@@ -611,11 +641,12 @@ struct KVStore::Impl {
         slot.no_room = true;
         return;
       }
-      int64_t created = 0;
-      slot.result = detail::load_value(data, size, want, slot.entry->kv, &created,
+      detail::LoadedMeta meta;
+      slot.result = detail::load_value(data, size, want, slot.entry->kv, &meta,
                                        &redis_counters, &slot.drop);
       if (slot.result == LoadResult::kHit) {
-        slot.entry->created_ms = created;
+        slot.entry->created_ms = meta.created_ms;
+        slot.entry->provenance = meta.provenance;
       } else {
         slot.entry.reset();
       }
@@ -663,10 +694,11 @@ struct KVStore::Impl {
     if (disk) {
       if (disk->contains(key, call.fp)) {
         if (!allocate(call.now_ms)) return nullptr;
-        int64_t created = 0;
-        const LoadResult r = disk->load(want, entry->kv, &created);
+        detail::LoadedMeta meta;
+        const LoadResult r = disk->load(want, entry->kv, &meta);
         if (r == LoadResult::kHit) {
-          entry->created_ms = created;
+          entry->created_ms = meta.created_ms;
+          entry->provenance = meta.provenance;
           return promote(disk_counters);
         }
         if (r == LoadResult::kCollision) {
@@ -695,6 +727,7 @@ struct KVStore::Impl {
     if (slot.result == LoadResult::kCollision) *collision = true;
     if (slot.result != LoadResult::kHit) return nullptr;
     entry = std::move(slot.entry);
+    entry->redis_epoch.store(window->epoch, std::memory_order_relaxed);
     return promote(redis_counters);
   }
 };
@@ -702,16 +735,20 @@ struct KVStore::Impl {
 KVStore::KVStore(const StoreOptions& options) {
   KVB_CHECK(options.capacity_bytes > 0,
             "capacity_bytes must be > 0, got " << options.capacity_bytes);
-  KVB_CHECK(options.chunk_tokens > 0, "chunk_tokens must be > 0, got " << options.chunk_tokens);
+  KVB_CHECK(options.chunk_tokens > 0 && options.chunk_tokens <= detail::kEntryMaxDim,
+            "chunk_tokens must be in [1, " << detail::kEntryMaxDim << "], got "
+                                           << options.chunk_tokens);
   KVB_CHECK(options.num_shards >= 1 && options.num_shards <= 1024,
             "num_shards must be in [1, 1024], got " << options.num_shards);
-  KVB_CHECK(options.ttl_seconds >= 0, "ttl_seconds must be >= 0, got " << options.ttl_seconds);
+  KVB_CHECK(options.ttl_seconds >= 0 && options.ttl_seconds <= kMaxTtlSeconds,
+            "ttl_seconds must be in [0, " << kMaxTtlSeconds << "], got " << options.ttl_seconds);
   KVB_CHECK(options.eviction != EvictionPolicy::kTTL || options.ttl_seconds > 0,
             "eviction 'ttl' needs ttl_seconds > 0");
   KVB_CHECK(options.storage == StorageFormat::kNative || options.storage == StorageFormat::kInt8,
             "storage: unknown format " << static_cast<int>(options.storage));
   KVB_CHECK(options.disk_dir.empty() || options.disk_capacity_bytes > 0,
             "disk_capacity_bytes must be > 0, got " << options.disk_capacity_bytes);
+  if (!options.disk_dir.empty()) detail::check_path(options.disk_dir, "disk_dir");
   impl_ = std::make_unique<Impl>(options);
   if (!options.disk_dir.empty()) {
     impl_->disk = std::make_unique<DiskTier>(options, impl_->clock, &impl_->disk_counters);
@@ -727,9 +764,10 @@ KVStore::~KVStore() = default;
 const StoreOptions& KVStore::options() const noexcept { return impl_->options; }
 
 int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
-                     std::string_view ns) {
+                     std::string_view ns, const Provenance& provenance) {
   Impl& m = *impl_;
   spec.validate();
+  const detail::EntryProvenance origin = detail::to_entry_provenance(provenance);
   check_tokens(tokens);
   kv.check_matches(spec, "kv");
   KVB_CHECK(kv.tokens() == static_cast<int64_t>(tokens.size),
@@ -765,8 +803,12 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
                         w.packed.prefix.size(), w.entry->kv, w.entry->payload_bytes,
                         w.packed.checksum});
     }
+    const int64_t epoch = m.redis->epoch();  // read first: a failure meanwhile re-sends
     const bool ok = m.redis->store(writes, m.ttl_ms);
-    for (const RemoteWrite& w : pending) remote_ok[static_cast<size_t>(w.chunk)] = ok;
+    for (const RemoteWrite& w : pending) {
+      remote_ok[static_cast<size_t>(w.chunk)] = ok;
+      if (ok) w.entry->redis_epoch.store(epoch, std::memory_order_relaxed);
+    }
     pending.clear();
     pending_bytes = 0;
   };
@@ -785,6 +827,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
     if (found == Impl::Probe::kAbsent) {
       fresh = m.new_entry(call, parent, ids, call.now_ms);
       if (fresh) {
+        fresh->provenance = origin;
         fresh->fill_from(kv.slice_tokens(c * chunk, chunk));
         found = m.insert(key, fresh, call.now_ms, &pinned, &inserted);
         if (found == Impl::Probe::kCollision) {
@@ -817,6 +860,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
         transient->dtype = spec.dtype;
         transient->storage = m.options.storage;
         transient->fp = call.fp;
+        transient->provenance = origin;
         transient->created_ms = call.now_ms;
         transient->payload_bytes = static_cast<size_t>(call.payload_bytes);
         transient->kv_size = allocation_size(transient->payload_bytes);
@@ -825,7 +869,11 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
         source = std::move(transient);
       }
       const bool to_disk = m.disk && !m.disk->has_file(key, call.fp);
-      const bool to_redis = m.redis && (inserted || !pinned);
+      // Redis gets every chunk it is not known to hold: new ones, and ones put or promoted
+      // while it was down or before it last failed (so an outage is repaired by the next put).
+      const bool to_redis =
+          m.redis && (!pinned || pinned->redis_epoch.load(std::memory_order_relaxed) !=
+                                     m.redis->epoch());
       if (to_disk || to_redis) {
         Packed packed = pack(*source, key);
         if (to_disk) {
@@ -943,22 +991,26 @@ InvalidateResult KVStore::invalidate(const ModelSpec& spec) {
   spec.validate();
   const Fingerprint fp = detail::to_fingerprint(spec.fingerprint());
   InvalidateResult r;
-  for (auto& shard : m.shards) {
-    Shard& s = *shard;
-    std::vector<std::shared_ptr<ChunkEntry>> gone;
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      for (auto it = s.map.begin(); it != s.map.end();) {
-        auto next = std::next(it);
-        if (it->second.entry->fp == fp) gone.push_back(m.unlink_locked(s, it));
-        it = next;
-      }
-    }
-    r.memory += static_cast<int64_t>(gone.size());
-  }
-  m.erased.fetch_add(r.memory, std::memory_order_relaxed);
+  r.memory = m.erase_memory_if([&](const ChunkEntry& e) { return e.fp == fp; });
   if (m.disk) r.disk = m.disk->invalidate(fp);
   if (m.redis) r.redis = m.redis->invalidate(fp, &r.redis_complete);
+  return r;
+}
+
+InvalidateResult KVStore::invalidate_adapter(const ModelSpec& target,
+                                             std::string_view adapter_fingerprint) {
+  Impl& m = *impl_;
+  target.validate();
+  const std::string target_fp = target.fingerprint();
+  // Only to validate the adapter's digits (the source is not needed to find its entries).
+  const Fingerprint adapter =
+      detail::to_entry_provenance(Provenance{target_fp, std::string(adapter_fingerprint)}).adapter;
+  const Fingerprint fp = detail::to_fingerprint(target_fp);
+  InvalidateResult r;
+  r.memory = m.erase_memory_if(
+      [&](const ChunkEntry& e) { return e.fp == fp && e.provenance.adapter == adapter; });
+  if (m.disk) r.disk = m.disk->invalidate_adapter(fp, adapter);
+  if (m.redis) r.redis = m.redis->invalidate_adapter(fp, adapter, &r.redis_complete);
   return r;
 }
 
@@ -1135,6 +1187,12 @@ std::string KVStore::metrics_text() const {
 }
 
 Match::~Match() = default;
+
+Provenance Match::provenance(int64_t chunk) const {
+  KVB_CHECK(chunk >= 0 && chunk < chunks(),
+            "provenance: chunk " << chunk << " is outside the match's " << chunks() << " chunks");
+  return detail::from_entry_provenance(entries_[static_cast<size_t>(chunk)]->provenance);
+}
 
 void Match::copy_to(const KVView& dst) const {
   KVB_CHECK(dst.tokens() == tokens_,

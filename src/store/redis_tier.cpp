@@ -48,6 +48,16 @@ constexpr double kFilterMaxFill = 0.5;  // above this the filter is rebuilt from
 
 // Adds the bits of each (h1, h2) pair in ARGV when the filter exists (never creates it, so a
 // missing filter stays missing until a rebuild that scans every key).
+// UNLINKs the KEYS whose value bytes [ARGV[1], ARGV[2]] equal ARGV[3] (an entry's adapter
+// fingerprint); returns how many.
+constexpr char kUnlinkAdapterScript[] =
+    "local n = 0 "
+    "for _, k in ipairs(KEYS) do "
+    "  if redis.call('GETRANGE', k, ARGV[1], ARGV[2]) == ARGV[3] then "
+    "    redis.call('UNLINK', k) n = n + 1 "
+    "  end "
+    "end "
+    "return n";
 constexpr char kAddScript[] =
     "local h = redis.call('GETRANGE', KEYS[1], 0, 7)\n"
     "if #h < 8 or string.sub(h, 1, 4) ~= 'KVBF' then return 0 end\n"
@@ -128,15 +138,13 @@ struct ReplyDeleter {
 };
 using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
 
-bool escape_into(std::string* out, std::string_view s, bool glob) {
+// Percent-encodes every byte outside [A-Za-z0-9._-] (the key schema's one encoding).
+void percent_encode_into(std::string* out, std::string_view s) {
   static const char* hex = "0123456789ABCDEF";
   for (unsigned char ch : s) {
     const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
                        (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-';
     if (plain) {
-      out->push_back(static_cast<char>(ch));
-    } else if (glob) {
-      out->push_back('\\');
       out->push_back(static_cast<char>(ch));
     } else {
       out->push_back('%');
@@ -144,7 +152,17 @@ bool escape_into(std::string* out, std::string_view s, bool glob) {
       out->push_back(hex[ch & 15]);
     }
   }
-  return true;
+}
+
+// A SCAN MATCH pattern matching exactly the key text `literal` (glob metacharacters escaped).
+std::string glob_literal(std::string_view literal) {
+  std::string g;
+  for (char ch : literal) {
+    const bool meta = ch == '*' || ch == '?' || ch == '[' || ch == ']' || ch == '\\' || ch == '^';
+    if (meta) g.push_back('\\');
+    g.push_back(ch);
+  }
+  return g;
 }
 
 bool parse_hex_key(std::string_view s, Hash128* out) {
@@ -223,7 +241,7 @@ void RemoteCounters::fill(RemoteStats* s) const {
 }
 
 LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntry& want,
-                      char* payload, int64_t* created_ms, TierCounters* counters, bool* drop) {
+                      char* payload, LoadedMeta* meta, TierCounters* counters, bool* drop) {
   TierCounters& c = *counters;
   *drop = false;
   auto miss = [&](std::atomic<int64_t>& reason) {
@@ -264,7 +282,7 @@ LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntr
     TierCounters::add(c.misses);
     return LoadResult::kCollision;
   }
-  *created_ms = h.created_ms;
+  *meta = LoadedMeta::of(h);
   return LoadResult::kHit;
 }
 
@@ -288,6 +306,7 @@ struct RedisTier::Impl {
   std::vector<redisContext*> idle;
   int open = 0;
   std::atomic<bool> down{false};
+  std::atomic<int64_t> epoch{0};  // RedisTier::epoch()
   std::atomic<int64_t> retry_at_ns{0};
   int backoff_ms;  // guarded by pool_mu
   std::atomic<bool> probing{false};
@@ -353,6 +372,7 @@ struct RedisTier::Impl {
     {
       std::lock_guard<std::mutex> lock(pool_mu);
       down.store(true);
+      epoch.fetch_add(1);  // what was written before may be gone (a restarted server)
       stale.swap(idle);  // probably dead too (a restarted server)
       open -= static_cast<int>(stale.size());
       retry_at_ns.store(steady_ns() + int64_t{backoff_ms} * 1000000);
@@ -575,11 +595,8 @@ struct RedisTier::Impl {
     if (ready && ready->type == REDIS_REPLY_INTEGER) TierCounters::add(remote->filter_rebuilds);
   }
 
-  std::string glob_prefix() const {
-    std::string g;
-    escape_into(&g, options.redis_key_prefix, true);
-    return g + ":v1:";
-  }
+  // Keys are written with the percent-encoded prefix, so SCAN must match that form.
+  std::string glob_prefix() const { return glob_literal(key_prefix); }
 
   void run_worker() {
     std::unique_lock<std::mutex> lock(worker_mu);
@@ -595,8 +612,11 @@ struct RedisTier::Impl {
 
   void parse_url(const std::string& url);
 
-  // SCAN + UNLINK of every key matching `pattern`. Returns the keys removed.
-  int64_t delete_matching(const std::string& pattern, bool* complete) {
+  // SCAN + UNLINK of every key matching `pattern` (and, when `adapter` is set, whose value's
+  // provenance names that adapter: checked by a script on the server, one per SCAN page).
+  // Returns the keys removed.
+  int64_t delete_matching(const std::string& pattern, bool* complete,
+                          const Fingerprint* adapter = nullptr) {
     int64_t removed = 0;
     std::string cursor = "0";
     do {
@@ -609,8 +629,16 @@ struct RedisTier::Impl {
       const redisReply* keys = page->element[1];
       if (keys->elements == 0) continue;
       std::vector<std::string> args = {"UNLINK"};
+      if (adapter) {
+        args = {"EVAL", kUnlinkAdapterScript, std::to_string(keys->elements)};
+      }
       for (size_t i = 0; i < keys->elements; ++i)
         args.emplace_back(keys->element[i]->str, keys->element[i]->len);
+      if (adapter) {
+        args.push_back(std::to_string(kEntryAdapterOffset));
+        args.push_back(std::to_string(kEntryAdapterOffset + adapter->size() - 1));
+        args.push_back(fingerprint_string(*adapter));
+      }
       Reply r = command(args);
       if (!r || r->type != REDIS_REPLY_INTEGER) {
         *complete = false;
@@ -644,7 +672,7 @@ RedisTier::RedisTier(const StoreOptions& options, TierCounters* counters,
   KVB_CHECK(options.redis_filter_refresh_ms > 0, "redis_filter_refresh_ms must be > 0");
   m.parse_url(options.redis_url);
   std::string p;
-  escape_into(&p, options.redis_key_prefix, false);
+  percent_encode_into(&p, options.redis_key_prefix);
   m.key_prefix = p + ":v1:";
   m.filter_key = m.key_prefix + "filter";
   m.lock_key = m.key_prefix + "filter-lock";
@@ -668,7 +696,7 @@ RedisTier::~RedisTier() {
 std::string RedisTier::key_for(std::string_view ns, const Fingerprint& fp,
                                const Hash128& key) const {
   std::string k = impl_->key_prefix;
-  escape_into(&k, ns, false);
+  percent_encode_into(&k, ns);
   k.push_back(':');
   k.append(fp.data(), fp.size());
   k.push_back(':');
@@ -680,6 +708,8 @@ bool RedisTier::may_contain(const Hash128& key) const {
   const auto f = impl_->current_filter();
   return !f || f->test(key);
 }
+
+int64_t RedisTier::epoch() const { return impl_->epoch.load(); }
 
 bool RedisTier::filter_active() const { return impl_->current_filter() != nullptr; }
 
@@ -801,6 +831,14 @@ int64_t RedisTier::invalidate(const Fingerprint& fp, bool* complete) {
   *complete = true;
   // Namespaces are percent-encoded, so no ':' of theirs can fake the fingerprint component.
   return m.delete_matching(m.glob_prefix() + "*:" + fingerprint_string(fp) + ":*", complete);
+}
+
+int64_t RedisTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter,
+                                      bool* complete) {
+  Impl& m = *impl_;
+  *complete = true;
+  return m.delete_matching(m.glob_prefix() + "*:" + fingerprint_string(fp) + ":*", complete,
+                           &adapter);
 }
 
 int64_t RedisTier::clear() {

@@ -29,10 +29,10 @@ struct RemoteCounters {
 };
 
 /// Verifies a fetched value against the lookup and copies its payload (want.payload_bytes) to
-/// `payload`; on kHit sets *created_ms. Counts misses, corrupt and expired values in `counters`;
+/// `payload`; on kHit sets *meta. Counts misses, corrupt and expired values in `counters`;
 /// *drop says the value should be deleted from the server (corrupt or expired).
 LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntry& want,
-                      char* payload, int64_t* created_ms, TierCounters* counters, bool* drop);
+                      char* payload, LoadedMeta* meta, TierCounters* counters, bool* drop);
 
 class RedisTier {
  public:
@@ -76,6 +76,13 @@ class RedisTier {
   int64_t clear();
   /// Deletes every key of the fingerprint under the prefix (SCAN + UNLINK); returns how many.
   int64_t invalidate(const Fingerprint& fp, bool* complete);
+  /// Deletes every key of the fingerprint whose value's provenance names `adapter`.
+  int64_t invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter, bool* complete);
+
+  /// Counts the times the tier was marked down. A value written while epoch() was e is known to
+  /// be on the server only while epoch() is still e: a failure may mean a restarted, emptied
+  /// server (the store re-sends such chunks on their next put).
+  int64_t epoch() const;
 
   /// Whether a usable filter copy is in use.
   bool filter_active() const;

@@ -45,6 +45,13 @@ struct ExpectedEntry {
   int64_t ttl_ms = 0;  // 0: no expiry
 };
 
+/// What a verified hit reports besides its payload.
+struct LoadedMeta {
+  int64_t created_ms = 0;
+  EntryProvenance provenance;
+  static LoadedMeta of(const EntryHeader& h) { return {h.created_ms, h.provenance}; }
+};
+
 enum class LoadResult {
   kHit,        // payload filled, verified
   kMiss,       // absent, expired, corrupt or unreadable (each counted by the tier)

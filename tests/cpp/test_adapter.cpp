@@ -412,6 +412,10 @@ TEST(AdapterFitter, BadInput) {
   fill_position_free(tgt, rng);
   EXPECT_THROW(fitter.add(src.view(), short_tgt.view()), InvalidArgument);
   EXPECT_THROW(fitter.add(tgt.view(), src.view()), InvalidArgument);  // swapped specs
+  // Positions: start_pos + tokens must neither overflow nor pass 2^53 (exact RoPE angles).
+  EXPECT_THROW(fitter.add(src.view(), tgt.view(), -1), InvalidArgument);
+  EXPECT_THROW(fitter.add(src.view(), tgt.view(), INT64_MAX - 5), InvalidArgument);
+  EXPECT_THROW(fitter.add(src.view(), tgt.view(), (int64_t{1} << 53) - 9), InvalidArgument);
   src.data[17] = NAN;
   EXPECT_THROW(fitter.add(src.view(), tgt.view()), InvalidArgument);
   EXPECT_EQ(fitter.train_tokens() + fitter.holdout_tokens(), 0);  // nothing accumulated

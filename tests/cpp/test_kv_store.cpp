@@ -47,6 +47,20 @@ TEST(KVStore, PutThenMatchReturnsTheBytes) {
   }
 }
 
+TEST(KVStore, OptionsHaveUpperBoundsAndPathsNoNul) {
+  StoreOptions o = options(1 << 20);
+  o.chunk_tokens = int64_t{1} << 62;
+  EXPECT_THROW(KVStore{o}, InvalidArgument);
+  o.chunk_tokens = (int64_t{1} << 24) + 1;
+  EXPECT_THROW(KVStore{o}, InvalidArgument);
+  o = options(1 << 20);
+  o.ttl_seconds = kMaxTtlSeconds + 1;  // ttl_seconds * 1000 would overflow near 2^63
+  EXPECT_THROW(KVStore{o}, InvalidArgument);
+  o = options(1 << 20);
+  o.disk_dir = std::string("/tmp/a") + std::string(1, '\0') + "b";
+  EXPECT_THROW(KVStore{o}, InvalidArgument);
+}
+
 TEST(KVStore, PrefixDivergenceStopsTheMatch) {
   const ModelSpec spec = testing::small_spec();
   KVStore store(options(1 << 22));

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
 #include <set>
 
 #include "test_util.h"
@@ -60,6 +62,31 @@ TEST(ModelSpec, ValidateNamesTheField) {
   s.name.clear();
   EXPECT_THROW(s.validate(), InvalidArgument);
   EXPECT_NO_THROW(testing::small_spec().validate());
+}
+
+// Sizes have upper bounds (kv_bytes_per_token() wrapped to 0 at 2^62), and every RoPE scaling
+// field is finite whatever the type (a NaN made the spec unequal to itself).
+TEST(ModelSpec, SizesAreBoundedAndRopeScalingIsFinite) {
+  for (int64_t ModelSpec::*field :
+       {&ModelSpec::num_layers, &ModelSpec::num_kv_heads, &ModelSpec::head_dim}) {
+    ModelSpec s = testing::small_spec();
+    s.*field = ModelSpec::kMaxDim;
+    EXPECT_NO_THROW(s.validate());
+    s.*field = int64_t{1} << 62;
+    EXPECT_THROW(s.validate(), InvalidArgument);
+  }
+  ModelSpec big = testing::small_spec();
+  big.num_layers = big.num_kv_heads = big.head_dim = ModelSpec::kMaxDim;
+  big.dtype = DType::kFloat32;
+  EXPECT_EQ(big.kv_bytes_per_token(), int64_t{1} << 51);
+  for (double bad : {NAN, INFINITY, -INFINITY}) {
+    for (double RopeScaling::*field : {&RopeScaling::factor, &RopeScaling::low_freq_factor,
+                                       &RopeScaling::high_freq_factor}) {
+      ModelSpec s = testing::small_spec();
+      s.rope_scaling.*field = bad;
+      EXPECT_THROW(s.validate(), InvalidArgument);
+    }
+  }
 }
 
 TEST(DType, ParseAndNames) {

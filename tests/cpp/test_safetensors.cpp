@@ -269,7 +269,15 @@ TEST_F(Safetensors, WriteRejectsBadTensors) {
 TEST_F(Safetensors, MissingFileIsNotFoundAndUnwritablePathIsUnavailable) {
   EXPECT_THROW(read_safetensors(path("nope.safetensors")), NotFound);
   EXPECT_THROW(read_safetensors(path("no_dir/nope.safetensors")), NotFound);
-  EXPECT_THROW(read_safetensors(dir_.string()), Unavailable);  // a directory
+  // Only regular files are read: a directory or a device is refused before any read (reading
+  // /dev/zero never ended).
+  EXPECT_THROW(read_safetensors(dir_.string()), Corrupt);
+  EXPECT_THROW(read_safetensors("/dev/zero"), Corrupt);
+  // A NUL byte would cut the C string short and open another file.
+  std::ofstream(path("a"), std::ios::binary) << "abc";
+  EXPECT_THROW(read_safetensors(path("a") + std::string(1, '\0') + "x"), InvalidArgument);
+  EXPECT_THROW(write_safetensors(path("b") + std::string(1, '\0') + "x", {}, {}),
+               InvalidArgument);
   EXPECT_THROW(write_safetensors(path("no_dir/x.safetensors"),
                                  {random_tensor("t", StDType::kU8, {1}, 1)}, {}),
                Unavailable);

@@ -34,7 +34,7 @@ StoreOptions disk_options(const std::string& dir, int64_t capacity = 1 << 24) {
 }
 
 int64_t file_bytes(const ModelSpec& spec) {
-  return 160 + 4 * kChunk + spec.kv_bytes_per_token() * kChunk + 16;
+  return 224 + 4 * kChunk + spec.kv_bytes_per_token() * kChunk + 16;
 }
 int64_t block_bytes(const ModelSpec& spec) { return (file_bytes(spec) + 4095) / 4096 * 4096; }
 
@@ -136,8 +136,8 @@ TEST(StoreDisk, FileLayoutMatchesTheSpecification) {
   const std::vector<unsigned char> f = read_file(path);
   ASSERT_EQ(static_cast<int64_t>(f.size()), file_bytes(spec)) << path;
   EXPECT_EQ(std::string(f.begin(), f.begin() + 8), "KVBENTRY");
-  EXPECT_EQ(u64le(&f[8]) & 0xffffffffu, 1u);          // format version
-  EXPECT_EQ(u64le(&f[8]) >> 32, 160u);                // header bytes
+  EXPECT_EQ(u64le(&f[8]) & 0xffffffffu, 2u);          // format version
+  EXPECT_EQ(u64le(&f[8]) >> 32, 224u);                // header bytes
   EXPECT_EQ(u64le(&f[16]) & 0xffffffffu, 1u);         // dtype code: bfloat16
   EXPECT_EQ(u64le(&f[24]), 2u);                       // layers
   EXPECT_EQ(u64le(&f[32]), static_cast<uint64_t>(kChunk));
@@ -151,12 +151,13 @@ TEST(StoreDisk, FileLayoutMatchesTheSpecification) {
   EXPECT_EQ(u64le(&f[104]), salt.low);
   EXPECT_EQ(u64le(&f[112]), salt.high);
   EXPECT_EQ(std::string(f.begin() + 120, f.begin() + 152), spec.fingerprint());
+  for (size_t i = 152; i < 224; ++i) EXPECT_EQ(f[i], 0) << i;  // own KV: no provenance
   for (int64_t i = 0; i < kChunk; ++i) {
-    const unsigned char* t = &f[static_cast<size_t>(160 + 4 * i)];
+    const unsigned char* t = &f[static_cast<size_t>(224 + 4 * i)];
     EXPECT_EQ(t[0] | t[1] << 8 | t[2] << 16 | static_cast<uint32_t>(t[3]) << 24,
               static_cast<uint32_t>(tokens[static_cast<size_t>(i)]));
   }
-  EXPECT_EQ(0, std::memcmp(&f[160 + 4 * kChunk], kv.bytes.data(), kv.bytes.size()));
+  EXPECT_EQ(0, std::memcmp(&f[224 + 4 * kChunk], kv.bytes.data(), kv.bytes.size()));
   const XXH128_hash_t h = XXH3_128bits(f.data(), f.size() - 16);
   EXPECT_EQ(u64le(&f[f.size() - 16]), h.low64);
   EXPECT_EQ(u64le(&f[f.size() - 8]), h.high64);

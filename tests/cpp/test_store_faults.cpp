@@ -254,7 +254,7 @@ TEST(StoreFaults, EveryCorruptOffsetIsACountedMissMovedAside) {
         dir.path + "/kvbridge-v1/" + spec.fingerprint(), ".kvb").at(0);
     const std::string quarantine = dir.path + "/kvbridge-v1/quarantine";
     const std::vector<unsigned char> good = read_file(path);
-    ASSERT_GT(good.size(), 160u + 4 * kChunk + 16);
+    ASSERT_GT(good.size(), 224u + 4 * kChunk + 16);
     std::mt19937_64 rng(storage == StorageFormat::kInt8 ? 23 : 22);
     std::vector<size_t> offsets;
     for (size_t off = 0; off < good.size(); off += good.size() / 97) offsets.push_back(off);

@@ -371,6 +371,44 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, StoreInt8,
                          ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
+// Format version 2: bytes 152..215 carry the provenance (both fingerprints or all zero);
+// version 1 entries and half-set or non-hex provenance are corrupt.
+TEST(EntryCodec, Version2HeaderCarriesProvenance) {
+  detail::EntryHeader h;
+  h.dtype = DType::kFloat16;
+  h.layers = 2;
+  h.chunk = 3;
+  h.kv_heads = 1;
+  h.head_dim = 4;
+  h.payload_bytes = 2 * 2 * 3 * 1 * 4 * 2;
+  h.fingerprint = detail::to_fingerprint(std::string(32, 'b'));
+  const std::vector<uint32_t> ids = {7, 8, 9};
+  const size_t total = detail::entry_encoded_bytes(3, h.payload_bytes);
+  std::vector<unsigned char> buf(total, 0);
+  detail::encode_entry_prefix(h, ids.data(), buf.data());
+  EXPECT_FALSE(detail::decode_entry_header(buf.data(), total).provenance.converted());
+  const std::string source(32, 'c'), adapter = "0123456789abcdef0123456789abcdef";
+  h.provenance = detail::to_entry_provenance(Provenance{source, adapter});
+  detail::encode_entry_prefix(h, ids.data(), buf.data());
+  EXPECT_EQ(std::string(buf.begin() + 152, buf.begin() + 184), source);
+  EXPECT_EQ(std::string(buf.begin() + 184, buf.begin() + 216), adapter);
+  const detail::EntryHeader back = detail::decode_entry_header(buf.data(), total);
+  EXPECT_TRUE(back.provenance == h.provenance);
+  EXPECT_EQ(detail::from_entry_provenance(back.provenance).adapter_fingerprint, adapter);
+  std::vector<unsigned char> bad = buf;
+  bad[190] = 'G';
+  EXPECT_THROW(detail::decode_entry_header(bad.data(), total), Corrupt);
+  bad = buf;
+  std::fill(bad.begin() + 184, bad.begin() + 216, 0);  // a source without an adapter
+  EXPECT_THROW(detail::decode_entry_header(bad.data(), total), Corrupt);
+  bad = buf;
+  bad[8] = 1;  // version 1
+  EXPECT_THROW(detail::decode_entry_header(bad.data(), total), Corrupt);
+  EXPECT_THROW(detail::to_entry_provenance(Provenance{source, ""}), InvalidArgument);
+  EXPECT_THROW(detail::to_entry_provenance(Provenance{source, "ABCDEF0123456789ABCDEF0123456789"}),
+               InvalidArgument);
+}
+
 TEST(StoreInt8Codec, HeaderRecordsTheStorageFormatAndRejectsUnknownOnes) {
   detail::EntryHeader h;
   h.dtype = DType::kBFloat16;

@@ -86,7 +86,7 @@ TEST_F(StoreRedis, BatchBytesBoundsEachRoundTrip) {
   DenseKV kv(spec, 6 * kChunk, 2);
   KVStore(options()).put(spec, tokens, kv.view);
   StoreOptions o = options();
-  o.redis_batch_bytes = 2 * (160 + 4 * kChunk + spec.kv_bytes_per_token() * kChunk + 16);
+  o.redis_batch_bytes = 2 * (224 + 4 * kChunk + spec.kv_bytes_per_token() * kChunk + 16);
   KVStore reader(o);
   const int64_t trips = reader.stats().remote.round_trips;
   expect_exact(reader.match(spec, tokens), kv);
@@ -139,9 +139,9 @@ TEST_F(StoreRedis, KeySchemaValueHeaderAndExpiry) {
   ReplyPtr v(server.command({"GET", name}));
   ASSERT_TRUE(v) << name;
   ASSERT_EQ(v->type, REDIS_REPLY_STRING) << name;
-  EXPECT_EQ(v->len, static_cast<size_t>(160 + 4 * kChunk + kv.bytes.size() + 16));
+  EXPECT_EQ(v->len, static_cast<size_t>(224 + 4 * kChunk + kv.bytes.size() + 16));
   EXPECT_EQ(std::string(v->str, 8), "KVBENTRY");
-  EXPECT_EQ(0, std::memcmp(v->str + 160 + 4 * kChunk, kv.bytes.data(), kv.bytes.size()));
+  EXPECT_EQ(0, std::memcmp(v->str + 224 + 4 * kChunk, kv.bytes.data(), kv.bytes.size()));
   ReplyPtr ttl(server.command({"PTTL", name}));
   EXPECT_GT(ttl->integer, 110000);
   EXPECT_LE(ttl->integer, 120000);
@@ -299,6 +299,53 @@ TEST_F(StoreRedis, TenantProbesTakeTheSameMissPathAsAnyMiss) {
   }
 }
 
+// Key prefixes outside [A-Za-z0-9._-] are percent-encoded in every key; invalidate, clear and
+// the filter rebuild must SCAN for the encoded form (with glob characters escaped).
+TEST_F(StoreRedis, EveryKeyPrefixReachesInvalidateClearAndTheFilterRebuild) {
+  const std::vector<std::string> prefixes = {"app:kvb", "a*b", "q?", "br[ck]t", "back\\slash",
+                                             "with space", "caf\u00e9-\u65e5\u672c", "%41"};
+  const auto tokens = testing::random_tokens(2 * kChunk, 40);
+  DenseKV kv(spec, 2 * kChunk, 40);
+  for (const std::string& prefix : prefixes) {
+    SCOPED_TRACE(prefix);
+    StoreOptions o = options();
+    o.redis_key_prefix = prefix;
+    {
+      KVStore store(o);
+      ASSERT_EQ(store.put(spec, tokens, kv.view), 2 * kChunk);
+      const InvalidateResult r = store.invalidate(spec);
+      EXPECT_EQ(r.redis, 2);
+      EXPECT_TRUE(r.redis_complete);
+    }
+    EXPECT_EQ(KVStore(o).match(spec, tokens).tokens(), 0);  // invalidated means gone
+
+    // A lost filter is rebuilt from the keys under this prefix, so they stay reachable.
+    { KVStore(o).put(spec, tokens, kv.view); }
+    ReplyPtr keys(server.command({"DBSIZE"}));
+    ASSERT_GE(keys->integer, 3);  // two entries and the filter
+    std::string encoded;
+    {
+      ReplyPtr all(server.command({"KEYS", "*filter"}));
+      ASSERT_EQ(all->elements, 1u);
+      encoded.assign(all->element[0]->str, all->element[0]->len);
+    }
+    ReplyPtr del(server.command({"DEL", encoded}));
+    ASSERT_EQ(del->integer, 1);
+    {
+      KVStore rebuilt(o);
+      EXPECT_TRUE(rebuilt.stats().remote.filter_active);
+      EXPECT_EQ(rebuilt.stats().remote.filter_rebuilds, 1);
+    }
+    KVStore reader(o);
+    EXPECT_TRUE(reader.stats().remote.filter_active);
+    expect_exact(reader.match(spec, tokens), kv);
+
+    reader.clear(kAllTiers);
+    ReplyPtr none(server.command({"DBSIZE"}));
+    EXPECT_EQ(none->integer, 0);
+  }
+}
+
 TEST_F(StoreRedis, InvalidateAndEraseReachRedis) {
   const ModelSpec other = [&] {
     ModelSpec s = spec;
@@ -373,6 +420,37 @@ TEST_F(StoreRedis, ServerKilledThenBackWhileMemoryAndDiskKeepServing) {
   EXPECT_GE(store.stats().remote.reconnects, 1);
   KVStore other(options(false));
   expect_exact(other.match(spec, c), kv);
+}
+
+// Chunks put while Redis was down (or before a restart that lost them) are sent again by the
+// next put of their prefix once the tier is back, so other stores see the whole prefix.
+TEST_F(StoreRedis, APutAfterAnOutageRepairsTheChunksRedisMissed) {
+  KVStore store(options());
+  const auto tokens = testing::random_tokens(4 * kChunk, 23);
+  DenseKV kv(spec, 4 * kChunk, 23);
+  const auto before = testing::random_tokens(2 * kChunk, 24);
+  DenseKV kv_before(spec, 2 * kChunk, 24);
+  ASSERT_EQ(store.put(spec, before, kv_before.view), 2 * kChunk);  // reached Redis...
+  server.stop();                                                  // ...which restarts empty
+  const TokenSpan head{tokens.data(), static_cast<size_t>(2 * kChunk)};
+  EXPECT_EQ(store.put(spec, head, kv.view.slice_tokens(0, 2 * kChunk)), 2 * kChunk);  // memory
+  ASSERT_TRUE(server.start());
+  const int64_t writes = store.stats().redis.writes;
+  for (int i = 0; i < 500 && store.stats().redis.writes == writes; ++i) {
+    store.put(spec, tokens, kv.view);  // the whole prompt: two chunks in memory, two new
+    if (store.stats().redis.writes == writes)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_GT(store.stats().redis.writes, writes);
+  store.put(spec, before, kv_before.view);
+  KVStore other(options());
+  expect_exact(other.match(spec, tokens), kv);
+  expect_exact(other.match(spec, before), kv_before);
+  // Once repaired, a put sends nothing again.
+  const int64_t repaired = store.stats().redis.writes;
+  store.put(spec, tokens, kv.view);
+  store.put(spec, before, kv_before.view);
+  EXPECT_EQ(store.stats().redis.writes, repaired);
 }
 
 TEST_F(StoreRedis, HungServerCostsOneTimeoutThenIsSkipped) {

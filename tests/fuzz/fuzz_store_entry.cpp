@@ -58,11 +58,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   std::vector<char> payload(static_cast<size_t>(want.payload_bytes));
   TierCounters counters;
-  int64_t created = 0;
+  LoadedMeta meta;
   bool drop = false;
-  const LoadResult r =
-      load_value(data, size, want, payload.data(), &created, &counters, &drop);
-  if (r == LoadResult::kHit && (!valid || created != h.created_ms)) __builtin_trap();
+  const LoadResult r = load_value(data, size, want, payload.data(), &meta, &counters, &drop);
+  if (r == LoadResult::kHit &&
+      (!valid || meta.created_ms != h.created_ms || !(meta.provenance == h.provenance)))
+    __builtin_trap();
   if (r != LoadResult::kHit && counters.misses.load() == 0) __builtin_trap();  // counted
   return 0;
 }

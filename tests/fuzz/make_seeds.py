@@ -3,6 +3,7 @@ installed kvbridge package. Run from the repository root: python tests/fuzz/make
 import glob
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -54,7 +55,34 @@ def adapter_files():
     fitter = kvbridge.AdapterFitter(src, dst, source_layers="all", ridge=0.1)
     for seed in range(4):
         fitter.add(kv(src, 24, 10 + seed), kv(dst, 24, 20 + seed))
-    fitter.fit().save(os.path.join(ROOT, "adapter_file", "two-to-one.safetensors"))
+    seed = os.path.join(ROOT, "adapter_file", "two-to-one.safetensors")
+    fitter.fit().save(seed)
+    resign_huge_head_dim(seed)
+
+
+def resign_huge_head_dim(seed):
+    """crash-huge-head-dim: the seed with the hand-written source spec of the crash file (head
+    dim 2^40, its fingerprint matching) and a valid checksum, so that load gets past the
+    checksum to the spec's bounds, where the crash was."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    sys.path.insert(0, os.path.join(os.path.dirname(ROOT), "..", "python"))
+    from test_adapter import adapter_checksum
+
+    crash = os.path.join(ROOT, "adapter_file", "crash-huge-head-dim.safetensors")
+    with safe_open(crash, framework="np") as f:
+        spec = f.metadata()["source_spec"]
+    with safe_open(seed, framework="np") as f:
+        meta = dict(f.metadata())
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    unchecked = dict(meta)
+    del unchecked["checksum"]  # the fuzzer loads with allow_unchecked: mutations reach past it
+    save_file(tensors, os.path.join(ROOT, "adapter_file", "two-to-one-unchecked.safetensors"),
+              metadata=unchecked)
+    meta["source_spec"] = spec
+    meta["checksum"] = adapter_checksum(meta, {k: torch.from_numpy(v) for k, v in tensors.items()})
+    save_file(tensors, crash, metadata=meta)
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ def test_file_is_plain_safetensors(fitted, tmp_path):
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         tensors = {name: f.get_tensor(name) for name in f.keys()}
-    assert meta["format"] == "kvbridge.adapter" and meta["format_version"] == "1"
+    assert meta["format"] == "kvbridge.adapter" and meta["format_version"] == "2"
     assert json.loads(meta["layer_map"]) == [[0], [0, 1], [1]]
     assert json.loads(meta["source_spec"])["fingerprint"] == SRC.fingerprint
     assert tensors["layers.1.key.weight"].shape == (64, 12)
@@ -180,19 +180,21 @@ def test_file_is_plain_safetensors(fitted, tmp_path):
     want = fitted.convert(src)
     assert all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))
 
-    # Validation: wrong version, bad JSON, missing and mis-shaped tensors are CorruptError.
+    # Validation: wrong version, bad JSON, missing and mis-shaped tensors are CorruptError (with
+    # a checksum that matches the edit, so each check is reached).
     def rewrite(mutate_meta=None, mutate_tensors=None):
         m, t = dict(meta), dict(tensors)
         if mutate_meta:
             mutate_meta(m)
         if mutate_tensors:
             mutate_tensors(t)
+        m["checksum"] = adapter_checksum(m, t)
         p = tmp_path / "bad.safetensors"
         save_file(t, str(p), metadata=m)
         return p
 
     cases = [
-        (lambda m: m.update(format_version="2"), None, "format_version"),
+        (lambda m: m.update(format_version="3"), None, "format_version"),
         (lambda m: m.update(source_spec="{not json"), None, "source_spec"),
         (lambda m: m.pop("layer_map"), None, "layer_map"),
         (lambda m: m.update(layer_map="[[0], [0, 1], [7]]"), None, "layer_map"),
@@ -241,3 +243,153 @@ def test_two_pass_fit_within_a_memory_budget(weights):
     assert one_pass.passes == 1
     with pytest.raises(ValueError, match="single pass"):
         one_pass.next_pass()
+
+
+def adapter_checksum(meta, tensors):
+    """The adapter file checksum as docs/adapter_file.md defines it (an independent copy)."""
+    import struct
+
+    import xxhash
+
+    def field(b):
+        return struct.pack("<Q", len(b)) + b
+
+    h = xxhash.xxh3_128()
+    h.update(b"kvbridge.adapter.checksum")
+    for key in sorted(meta):
+        if key != "checksum":
+            h.update(field(key.encode()) + field(meta[key].encode()))
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(field(name.encode()) + struct.pack("<Q", t.dim())
+                 + struct.pack(f"<{t.dim()}Q", *t.shape) + field(t.numpy().tobytes()))
+    return h.hexdigest()
+
+
+def read_adapter_file(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata()), {name: f.get_tensor(name) for name in f.keys()}
+
+
+def test_every_bit_flip_is_corrupt(fitted, tmp_path):
+    import random
+
+    path = tmp_path / "a.safetensors"
+    fitted.save(path)
+    raw = bytearray(path.read_bytes())
+    rng = random.Random(16)
+    bad = tmp_path / "flip.safetensors"
+    for _ in range(200):
+        bit = rng.randrange(8 * len(raw))
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(kvbridge.CorruptError):
+            kvbridge.LinearAdapter.load(bad)
+    assert kvbridge.LinearAdapter.load(path).fingerprint == fitted.fingerprint
+
+
+def test_checksum_binds_content_and_the_ordered_pair(fitted, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "a.safetensors"
+    fitted.save(path)
+    meta, tensors = read_adapter_file(path)
+    assert meta["format_version"] == "2"
+    assert meta["checksum"] == adapter_checksum(meta, tensors) == fitted.fingerprint
+
+    def write(m, t, name="b.safetensors"):
+        p = tmp_path / name
+        save_file(t, str(p), metadata=m)
+        return p
+
+    # Rewritten by the safetensors package with the same content: still valid.
+    assert kvbridge.LinearAdapter.load(write(meta, tensors)).fingerprint == fitted.fingerprint
+
+    # A report out of range is refused even when the checksum matches it.
+    def resigned(mutate):
+        m = dict(meta)
+        mutate(m)
+        m["checksum"] = adapter_checksum(m, tensors)
+        return write(m, tensors)
+
+    def report_edit(**changes):
+        def mutate(m):
+            fit = json.loads(m["fit_report"])
+            for key, value in changes.items():
+                if key in ("train_tokens", "holdout_tokens"):
+                    fit[key] = value
+                else:
+                    fit["layers"][1][key] = value
+            # JSON has no NaN or infinity: 1e999 overflows (refused as not JSON), null is not
+            # a number.
+            m["fit_report"] = json.dumps(fit).replace("12345.5", "1e999")
+        return mutate
+
+    for change, needle in [({"r2_key": 1.5}, "r2_key"), ({"r2_value": None}, "r2_value"),
+                           ({"r2_key": -12345.5}, "fit_report.*overflow"),
+                           ({"ridge_key": -1.0}, "ridge_key"),
+                           ({"ridge_value": 12345.5}, "fit_report.*overflow"),
+                           ({"train_tokens": -5}, "train_tokens"),
+                           ({"holdout_tokens": -1}, "holdout_tokens"),
+                           ({"train_tokens": 2.5}, "train_tokens")]:
+        with pytest.raises(kvbridge.CorruptError, match=needle):
+            kvbridge.LinearAdapter.load(resigned(report_edit(**change)))
+    # An edited R² (the quality gate's input) without a new checksum is refused.
+    m = dict(meta)
+    report_edit(r2_key=0.999)(m)
+    with pytest.raises(kvbridge.CorruptError, match="checksum"):
+        kvbridge.LinearAdapter.load(write(m, tensors))
+
+    # Source and target swapped: refused even when the geometry would allow it.
+    a = kvbridge.ModelSpec("model-a", 1, 1, 4, tokenizer="t")
+    b = kvbridge.ModelSpec("model-b", 1, 1, 4, tokenizer="t")
+    fitter = kvbridge.AdapterFitter(a, b, source_layers="all", ridge=0.1)
+    fitter.add(random_kv(a, 40, 1), random_kv(b, 40, 2))
+    square = tmp_path / "square.safetensors"
+    fitter.fit().save(square)
+    m, t = read_adapter_file(square)
+    m["source_spec"], m["target_spec"] = m["target_spec"], m["source_spec"]
+    with pytest.raises(kvbridge.CorruptError, match="checksum"):
+        kvbridge.LinearAdapter.load(write(m, t, "swapped.safetensors"))
+
+
+def test_files_without_a_checksum_need_an_explicit_opt_in(fitted, tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "a.safetensors"
+    fitted.save(path)
+    meta, tensors = read_adapter_file(path)
+    del meta["checksum"]
+    for version in ("1", "2"):  # format 1 had no checksum; a writer may also have dropped it
+        meta["format_version"] = version
+        other = tmp_path / f"unchecked-{version}.safetensors"
+        save_file(tensors, str(other), metadata=meta)
+        with pytest.raises(kvbridge.CorruptError, match="allow_unchecked"):
+            kvbridge.LinearAdapter.load(other)
+        loaded = kvbridge.LinearAdapter.load(other, allow_unchecked=True)
+        assert loaded.report == fitted.report and loaded.fingerprint == fitted.fingerprint
+        src = random_kv(SRC, 6, 1)
+        for (k, v), (k0, v0) in zip(loaded.convert(src), fitted.convert(src)):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+        loaded.save(tmp_path / "resaved.safetensors")  # saving adds the checksum
+        assert kvbridge.LinearAdapter.load(tmp_path / "resaved.safetensors").fingerprint == \
+            fitted.fingerprint
+    # The opt-in skips only the missing checksum: a wrong one is still refused.
+    meta["checksum"] = "0" * 32
+    save_file(tensors, str(tmp_path / "wrong.safetensors"), metadata=meta)
+    with pytest.raises(kvbridge.CorruptError, match="checksum"):
+        kvbridge.LinearAdapter.load(tmp_path / "wrong.safetensors", allow_unchecked=True)
+
+
+def test_special_files_are_refused_before_reading(tmp_path):
+    with pytest.raises(kvbridge.CorruptError, match="regular file"):
+        kvbridge.LinearAdapter.load("/dev/zero")
+    with pytest.raises(kvbridge.CorruptError, match="regular file"):
+        kvbridge.LinearAdapter.load(tmp_path)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="NUL"):
+        kvbridge.LinearAdapter.load(str(tmp_path / "a") + "\0x")

@@ -86,3 +86,107 @@ def test_bad_store_options():
         kvbridge.KVStore(1024, chunk_tokens=0)
     with pytest.raises(ValueError, match="num_shards"):
         kvbridge.KVStore(1024, num_shards=0)
+
+
+@pytest.mark.parametrize("make, error, needle", [
+    # Wrong types are TypeErrors, never truncated.
+    (lambda: kvbridge.KVStore(1.5), TypeError, "capacity_bytes"),
+    (lambda: kvbridge.KVStore(1 << 20, chunk_tokens=2.7), TypeError, "chunk_tokens"),
+    (lambda: kvbridge.KVStore(1 << 20, chunk_tokens=True), TypeError, "chunk_tokens"),
+    (lambda: kvbridge.KVStore(1 << 20, chunk_tokens="16"), TypeError, "chunk_tokens"),
+    (lambda: kvbridge.KVStore(1 << 20, disk_fsync=1), TypeError, "disk_fsync"),
+    (lambda: kvbridge.KVStore(1 << 20, redis_command_timeout_ms=2.5), TypeError, "timeout"),
+    (lambda: kvbridge.Bridge(kvbridge.KVStore(1 << 20), min_quality="0.5"), TypeError,
+     "min_quality"),
+    (lambda: kvbridge.ModelSpec("m", 2.0, 2, 4), TypeError, "num_layers"),
+    (lambda: kvbridge.ModelSpec("m", True, 2, 4), TypeError, "num_layers"),
+    (lambda: kvbridge.ModelSpec("m", 2, 2, 4, rope_base="1e4"), TypeError, "rope_base"),
+    (lambda: kvbridge.AdapterFitter(SPEC, SPEC2, seed=1.5), TypeError, "seed"),
+    # Values the core's types cannot hold are InvalidArgumentErrors naming the argument.
+    (lambda: kvbridge.KVStore(2**64), kvbridge.InvalidArgumentError, "capacity_bytes"),
+    (lambda: kvbridge.KVStore(-1), kvbridge.InvalidArgumentError, "capacity_bytes"),
+    (lambda: kvbridge.KVStore(1 << 20, chunk_tokens=2**62), kvbridge.InvalidArgumentError,
+     "chunk_tokens"),
+    (lambda: kvbridge.KVStore(1 << 20, num_shards=2**40), kvbridge.InvalidArgumentError,
+     "num_shards"),
+    (lambda: kvbridge.KVStore(1 << 20, redis_pool_size=2**40), kvbridge.InvalidArgumentError,
+     "redis_pool_size"),
+    (lambda: kvbridge.KVStore(1 << 20, disk_dir="/tmp/a\0b"), kvbridge.InvalidArgumentError,
+     "NUL"),
+    (lambda: kvbridge.ModelSpec("m", 2**70, 2, 4), kvbridge.InvalidArgumentError, "num_layers"),
+    (lambda: kvbridge.ModelSpec("m", 2**62, 2, 4), kvbridge.InvalidArgumentError, "num_layers"),
+    (lambda: kvbridge.ModelSpec("m", 2, 2, 2**40), kvbridge.InvalidArgumentError, "head_dim"),
+    (lambda: kvbridge.ModelSpec("m", 2, 2, 4, rope_scaling=kvbridge.RopeScaling(
+        "linear", factor=float("nan"))), kvbridge.InvalidArgumentError, "factor"),
+    (lambda: kvbridge.ModelSpec("m", 2, 2, 4, rope_scaling=kvbridge.RopeScaling(
+        low_freq_factor=float("inf"))), kvbridge.InvalidArgumentError, "low_freq_factor"),
+    (lambda: kvbridge.AdapterFitter(SPEC, SPEC2, seed=2**64), kvbridge.InvalidArgumentError,
+     "seed"),
+    (lambda: kvbridge.AdapterFitter(SPEC, SPEC2, seed=-1), kvbridge.InvalidArgumentError,
+     "seed"),
+    (lambda: kvbridge.prefix_hashes(SPEC, [1, 2], chunk_tokens=2**64),
+     kvbridge.InvalidArgumentError, "chunk_tokens"),
+])
+def test_sizes_seeds_and_numbers_are_checked(make, error, needle):
+    with pytest.raises(error, match=needle):
+        make()
+
+
+SPEC = kvbridge.ModelSpec("spec-a", 1, 1, 4, tokenizer="t")
+SPEC2 = kvbridge.ModelSpec("spec-b", 1, 1, 4, tokenizer="t")
+
+
+def test_positions_and_namespaces(store):
+    fitter = kvbridge.AdapterFitter(SPEC, SPEC2, source_layers="all", ridge=0.1)
+    src, tgt = random_kv(SPEC, 40, 1), random_kv(SPEC2, 40, 2)
+    fitter.add(src, tgt)
+    adapter = fitter.fit()
+    for bad, error in [(1.5, TypeError), (True, TypeError), ("3", TypeError),
+                       (-1, kvbridge.InvalidArgumentError),
+                       (2**63, kvbridge.InvalidArgumentError),
+                       (2**53 - 10, kvbridge.InvalidArgumentError)]:  # + 40 tokens > 2^53
+        with pytest.raises(error, match="start_pos"):
+            adapter.convert(src, bad)
+        with pytest.raises(error, match="start_pos"):
+            fitter.add(src, tgt, start_pos=bad)
+    assert adapter.convert(src, 2**53 - 40)[0][0].shape[2] == 40  # the last exact position
+    bridge = kvbridge.Bridge(store)
+    kv = random_kv(SPEC, 8, 3)
+    for call in (lambda ns: store.put(SPEC, list(range(8)), kv, ns),
+                 lambda ns: store.match(SPEC, list(range(8)), ns),
+                 lambda ns: store.erase(SPEC, list(range(8)), ns),
+                 lambda ns: bridge.save(SPEC, list(range(8)), kv, ns),
+                 lambda ns: bridge.load(SPEC, list(range(8)), ns)):
+        with pytest.raises(kvbridge.InvalidArgumentError, match="namespace.*surrogate"):
+            call("tenant-\udc80")
+        with pytest.raises(TypeError, match="namespace"):
+            call(7)
+
+
+def test_sparse_and_meta_tensors(spec, store):
+    kv = random_kv(spec, 8, 1)
+    sparse = ((kv[0][0].to_sparse(), kv[0][1]),) + kv[1:]
+    with pytest.raises(TypeError, match=r"kv\[0\]\[0\].*strided"):
+        store.put(spec, list(range(8)), sparse)
+    meta = kv[:2] + ((kv[2][0], torch.empty_like(kv[2][1], device="meta")),)
+    with pytest.raises(ValueError, match=r"kv\[2\]\[1\].*meta"):
+        store.put(spec, list(range(8)), meta)
+
+
+def test_cli_errors_are_messages(tmp_path, capsys):
+    from kvbridge import cli
+
+    assert cli.main(["evaluate"]) == 2
+    assert "unknown command 'evaluate'" in capsys.readouterr().err
+    for argv, needle in [(["eval", "--threads", "-1"], "--threads: must be >= 0, got -1"),
+                         (["eval", "--chunk-tokens", "0"], "--chunk-tokens: must be >= 1"),
+                         (["demo", "--chunk-tokens", "x"], "expected an integer, got 'x'")]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    pytest.importorskip("kvbridge.testbed")
+    assert cli.main(["eval", "--adapter", str(bad), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvbridge eval: error: ") and "Traceback" not in err

@@ -155,7 +155,7 @@ def test_disk_dir_shared_by_two_stores_and_another_process(spec, tmp_path):
 
 
 def test_disk_budget_and_corruption(spec, tmp_path):
-    per_file = (160 + 4 * 8 + spec.kv_bytes_per_token() * 8 + 16 + 4095) // 4096 * 4096
+    per_file = (224 + 4 * 8 + spec.kv_bytes_per_token() * 8 + 16 + 4095) // 4096 * 4096
     store = kvbridge.KVStore(1 << 22, chunk_tokens=8, disk_dir=tmp_path,
                              disk_capacity_bytes=3 * per_file, disk_fsync=False)
     for i in range(10):
@@ -278,3 +278,67 @@ def test_invalidate_metrics_and_filter(spec, redis, tmp_path):
     assert 'kvbridge_store_hits_total{tier="disk"}' in text
     assert "kvbridge_store_remote_latency_seconds_count" in text
     assert all(line.startswith(("#", "kvbridge_store_")) for line in text.splitlines() if line)
+
+
+@needs_redis
+def test_write_back_provenance_in_every_tier_and_invalidate_adapter(redis, tmp_path):
+    from test_bridge import CHUNK, SRC, TGT, fit_planted, tokens_of
+
+    old, new = fit_planted(SRC, TGT, 1), fit_planted(SRC, TGT, 4)
+    assert old.fingerprint != new.fingerprint and len(old.fingerprint) == 32
+
+    def open_store():
+        return kvbridge.KVStore(64 << 20, chunk_tokens=CHUNK, disk_dir=tmp_path,
+                                redis_url=redis.url, disk_fsync=False)
+
+    ids = tokens_of(4 * CHUNK + 3, 1)
+    own = tokens_of(2 * CHUNK + 1, 2)
+    store = open_store()
+    bridge = kvbridge.Bridge(store)
+    bridge.add_adapter(old)
+    bridge.save(SRC, ids, random_kv(SRC, len(ids), 3))
+    bridge.save(TGT, own, random_kv(TGT, len(own), 4))
+    first = bridge.load(TGT, ids)
+    assert first.converted and first.tokens == 4 * CHUNK
+    assert (first.converted_from, first.adapter) == (SRC.fingerprint, old.fingerprint)
+    mine = bridge.load(TGT, own)
+    assert not mine.converted and (mine.converted_from, mine.adapter) == ("", "")
+
+    # The written-back entries are native hits now, still saying where they came from, from
+    # memory, from disk and from Redis alike.
+    again = bridge.load(TGT, ids)
+    assert not again.converted and again.source == TGT.name
+    assert (again.converted_from, again.adapter) == (SRC.fingerprint, old.fingerprint)
+    del bridge, store
+    for tiers in (("memory",), ("memory", "disk")):
+        store = open_store()
+        store.clear(tiers)
+        reader = kvbridge.Bridge(store)
+        hit = reader.load(TGT, ids)
+        assert hit.tokens == 4 * CHUNK and not hit.converted, tiers
+        assert (hit.converted_from, hit.adapter) == (SRC.fingerprint, old.fingerprint), tiers
+        del reader, store
+
+    # Replacing the adapter purges what the old one wrote back, in every tier; the model's own
+    # entries stay. The next load converts through the new adapter.
+    store = open_store()
+    bridge = kvbridge.Bridge(store)
+    bridge.add_adapter(old)
+    assert bridge.load(TGT, ids).adapter == old.fingerprint  # promoted from Redis into memory
+    bridge.add_adapter(new, replace=True)
+    for tiers in ((), ("memory",), ("memory", "disk")):
+        store.clear(tiers)
+        assert store.match(TGT, ids, return_kv=False).tokens == 0, tiers
+    assert store.match(TGT, own, return_kv=False).tokens == 2 * CHUNK
+    hit = bridge.load(TGT, ids)
+    assert hit.converted and hit.adapter == new.fingerprint
+    # invalidate_adapter by hand, and remove_adapter, purge the same way.
+    assert bridge.invalidate_adapter(new) == {"memory": 4, "disk": 4, "redis": 4,
+                                              "redis_complete": True}
+    assert bridge.load(TGT, ids).converted  # converted again, written back again
+    assert bridge.remove_adapter(SRC, TGT)
+    store.clear(("memory", "disk"))
+    assert store.match(TGT, ids, return_kv=False).tokens == 0
+    assert store.match(TGT, own, return_kv=False).tokens == 2 * CHUNK
+    with pytest.raises(kvbridge.InvalidArgumentError, match="hex"):
+        store.invalidate_adapter(TGT, "not-a-fingerprint")

@@ -1,0 +1,83 @@
+"""The one place where Python arguments become the native core's integers, numbers and strings.
+
+Each kind of argument has one check here, used by every call that takes one: the wrong type is a
+TypeError (a float, bool or str is never truncated to an int), a value the core's type cannot
+hold (or a position past what RoPE computes exactly) a kvbridge.InvalidArgumentError naming the
+argument. The core still checks the ranges that depend on more than one value.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from kvbridge import _core
+
+INT64_MAX = 2**63 - 1
+MAX_POSITION = 2**53  # positions are exact in float64 up to here (RoPE angles)
+
+
+def integer(name: str, value: Any, lo: int = 0, hi: int = INT64_MAX) -> int:
+    """An int (Python or numpy, not bool) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if not lo <= v <= hi:
+        raise _core.InvalidArgumentError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def size(name: str, value: Any) -> int:
+    """A count or byte size: an int in [0, 2^63)."""
+    return integer(name, value)
+
+
+def position(name: str, value: Any) -> int:
+    """An absolute token position: an int in [0, 2^53]."""
+    return integer(name, value, 0, MAX_POSITION)
+
+
+def seed(name: str, value: Any) -> int:
+    """A random seed: an int in [0, 2^64)."""
+    return integer(name, value, 0, 2**64 - 1)
+
+
+def number(name: str, value: Any) -> float:
+    """A real number (int or float, not bool or str)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    """A bool (numpy's too); anything else is a TypeError rather than its truth value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def text(name: str, value: Any) -> str:
+    """A str the core can take as UTF-8 (no lone surrogates)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, got {type(value).__name__} {value!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _core.InvalidArgumentError(
+            f"{name}: not valid text ({e.reason} at index {e.start}: {value[e.start]!r})"
+        ) from None
+    return value
+
+
+def option(name: str, default: Any, value: Any) -> Any:
+    """An options-struct field, checked as the kind of its default value."""
+    if isinstance(default, bool):
+        return flag(name, value)
+    if isinstance(default, int):
+        return integer(name, value, -INT64_MAX - 1)
+    if isinstance(default, float):
+        return number(name, value)
+    if isinstance(default, str):
+        return text(name, value)
+    return value
