@@ -8,8 +8,10 @@
 // Tiers (docs/storage.md has the full description and the on-disk / in-Redis formats):
 //   memory  always on. Sharded, with a byte budget that is never exceeded.
 //   disk    on when StoreOptions::disk_dir is set: one checksummed file per entry, written
-//           atomically, with its own byte budget; a store opened later on the same directory
-//           finds what an earlier one (in any process) left.
+//           atomically, with its own byte budget. Any number of stores, in any processes of
+//           the machine, may have one directory open at once (each with its own memory tier):
+//           each finds what the others wrote, and the budget holds for the directory as a
+//           whole (docs/storage.md, "One directory, many processes").
 //   Redis   on when StoreOptions::redis_url is set: one checksummed value per entry, shared by
 //           every process and machine using the same server and key prefix.
 // put() writes through: each chunk goes to memory, then (synchronously, before put returns) to
@@ -95,10 +97,14 @@ struct StoreOptions {
   StorageFormat storage = StorageFormat::kNative;
 
   // --- Disk tier: off while disk_dir is empty. ---
-  /// Directory for entry files (created if missing). One live store per directory: a second
-  /// store opening it while the first lives throws Unavailable.
+  /// Directory for entry files (created if missing), on a local file system. Any number of
+  /// stores (in this and other processes) may have it open at once; they share its files, its
+  /// byte count and invalidate / erase / clear. Stores with a TTL record each entry's expiry in
+  /// its file, which binds every store reading it.
   std::string disk_dir;
-  int64_t disk_capacity_bytes = int64_t{16} << 30;  ///< file bytes budget (4 KiB blocks); > 0
+  /// Budget of the directory's entry files and writes in flight, whichever store made them
+  /// (4 KiB blocks), checked by this store's writes: never exceeded. > 0
+  int64_t disk_capacity_bytes = int64_t{16} << 30;
   bool disk_fsync = true;  ///< fsync each file before its rename (durable across power loss)
 
   // --- Redis tier: off while redis_url is empty. ---
@@ -139,8 +145,10 @@ struct StoreOptions {
 struct TierStats {
   bool enabled = false;
   int64_t capacity_bytes = 0;   ///< memory, disk: the budget; Redis: 0 (the server's own)
-  int64_t bytes_used = 0;       ///< memory: accounted bytes; disk: file bytes (4 KiB blocks)
-  int64_t entries = 0;          ///< memory, disk: entries indexed; Redis: 0 (not tracked)
+  /// memory: accounted bytes; disk: the directory's file bytes (4 KiB blocks), of all stores
+  int64_t bytes_used = 0;
+  /// memory: entries indexed; disk: entry files this store knows of; Redis: 0 (not tracked)
+  int64_t entries = 0;
   int64_t hit_chunks = 0;       ///< chunks this tier served to match()
   int64_t misses = 0;           ///< chunk lookups that reached this tier and found nothing
   int64_t writes = 0;           ///< entries written (put, and promotions into memory)
@@ -254,7 +262,8 @@ class Match {
 class KVStore {
  public:
   /// Throws InvalidArgument for options out of range (or a malformed redis_url), Unavailable
-  /// when disk_dir cannot be created or is in use by another live store. An unreachable Redis
+  /// when disk_dir cannot be created, or its open lock stays held for a minute (a store of an
+  /// older kvbridge, which kept it for its lifetime). An unreachable Redis
   /// server is not an error: the tier starts marked down and is retried.
   explicit KVStore(const StoreOptions& options = {});
   ~KVStore();
@@ -290,8 +299,9 @@ class KVStore {
                 unsigned tiers = kAllTiers);
 
   /// Removes every entry of `spec`'s fingerprint, in every namespace, from every tier: this
-  /// store's memory, the disk directory and the Redis prefix (a SCAN of the server's keys).
-  /// Other processes' memory tiers keep their copies until evicted (docs/storage.md).
+  /// store's memory, the disk directory and the Redis prefix (a SCAN of the server's keys),
+  /// whichever store wrote them. Other stores' memory tiers keep their copies until evicted
+  /// (docs/storage.md).
   InvalidateResult invalidate(const ModelSpec& spec);
 
   /// Removes every entry of `target`'s fingerprint whose provenance names the adapter

@@ -52,7 +52,8 @@ class KVStore:
     capacity_bytes: memory budget (KV + token ids + a small per-entry overhead); never
         exceeded.
     chunk_tokens: tokens per stored chunk; only whole chunks are stored and matched.
-    disk_dir: directory of the disk tier (created if missing; one live store per directory).
+    disk_dir: directory of the disk tier (created if missing). Any number of stores, in this
+        and other processes, may share one directory at once (docs/storage.md).
     disk_capacity_bytes: disk budget in bytes of 4 KiB blocks (default 16 GiB).
     redis_url: ``redis://[[user]:password@]host[:port][/db]`` of the Redis tier.
     num_shards: lock shards (eviction is exact with 1, per shard otherwise).

@@ -622,7 +622,8 @@ struct KVStore::Impl {
     w->names.push_back(redis->key_for(call.ns, call.fp, keys.at(c)));
     for (size_t k = c + 1; k < chunks && w->names.size() < limit; ++k) {
       const Hash128& key = keys.at(k);
-      if (!redis->may_contain(key) || in_memory(key) || (disk && disk->contains(key))) break;
+      if (!redis->may_contain(key) || in_memory(key) || (disk && disk->contains(key, call.fp)))
+        break;
       w->names.push_back(redis->key_for(call.ns, call.fp, key));
     }
     w->count = w->names.size();
@@ -691,7 +692,7 @@ struct KVStore::Impl {
     };
 
     if (disk) {
-      if (disk->contains(key)) {
+      if (disk->contains(key, call.fp)) {
         if (!allocate(call.now_ms)) return nullptr;
         detail::LoadedMeta meta;
         const LoadResult r = disk->load(want, entry->kv, &meta);
@@ -867,7 +868,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
         transient->fill_from(kv.slice_tokens(c * chunk, chunk));
         source = std::move(transient);
       }
-      const bool to_disk = m.disk && !m.disk->contains(key);
+      const bool to_disk = m.disk && !m.disk->has_file(key, call.fp);
       // Redis gets every chunk it is not known to hold: new ones, and ones put or promoted
       // while it was down or before it last failed (so an outage is repaired by the next put).
       const bool to_redis =
@@ -977,7 +978,7 @@ int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view
         m.erased.fetch_add(1, std::memory_order_relaxed);
       }
     }
-    if ((tiers & kDiskTier) && m.disk && m.disk->erase(keys[c])) ++removed;
+    if ((tiers & kDiskTier) && m.disk && m.disk->erase(keys[c], fp)) ++removed;
     if ((tiers & kRedisTier) && m.redis) remote.push_back(m.redis->key_for(ns, fp, keys[c]));
     parent = keys[c];
   }

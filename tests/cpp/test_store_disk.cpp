@@ -263,10 +263,51 @@ TEST(StoreDisk, MemoryFullStillWritesThroughToDisk) {
   EXPECT_GE(store.stats().promotions_rejected, 1);
 }
 
-TEST(StoreDisk, SecondLiveStoreOnTheSameDirectoryIsUnavailable) {
+// Two live stores on one directory (the same as two processes, each with its own memory): each
+// reads what the other wrote, after it opened too; one's erase and invalidate reach the
+// other's reads; the byte count is the directory's.
+TEST(StoreDisk, TwoLiveStoresShareOneDirectory) {
   TempDir dir;
+  const ModelSpec spec = testing::small_spec();
+  ModelSpec other = spec;
+  other.name = "other-model";
+  const auto t1 = testing::random_tokens(2 * kChunk, 31);
+  const auto t2 = testing::random_tokens(2 * kChunk, 32);
+  DenseKV kv1(spec, 2 * kChunk, 31), kv2(spec, 2 * kChunk, 32);
   KVStore first(disk_options(dir.path));
-  EXPECT_THROW(KVStore second(disk_options(dir.path)), Unavailable);
+  ASSERT_EQ(first.put(spec, t1, kv1.view), 2 * kChunk);
+  KVStore second(disk_options(dir.path));
+  ASSERT_EQ(second.put(spec, t2, kv2.view), 2 * kChunk);
+  ASSERT_EQ(second.put(other, t2, kv2.view), 2 * kChunk);
+  auto exact = [&](KVStore& s, const ModelSpec& m, const std::vector<int64_t>& t,
+                   const DenseKV& kv) {
+    s.clear(kMemoryTier);
+    Match got = s.match(m, t);
+    if (got.tokens() != 2 * kChunk) return false;
+    DenseKV out(m, got.tokens(), 5);
+    got.copy_to(out.view);
+    return same_elements(out.view, kv.view);
+  };
+  EXPECT_TRUE(exact(second, spec, t1, kv1));
+  EXPECT_TRUE(exact(first, spec, t2, kv2));  // written after `first` opened
+  EXPECT_EQ(first.stats().disk.bytes_used, 6 * block_bytes(spec));
+  EXPECT_EQ(second.stats().disk.bytes_used, 6 * block_bytes(spec));
+  // A chunk another store already wrote is not written again.
+  const int64_t writes = first.stats().disk.writes;
+  EXPECT_EQ(first.put(spec, t2, kv2.view), 2 * kChunk);
+  EXPECT_EQ(first.stats().disk.writes, writes);
+  EXPECT_EQ(first.erase(spec, t1, "default", kDiskTier), 2);
+  second.clear(kMemoryTier);
+  EXPECT_EQ(second.match(spec, t1).tokens(), 0);
+  const InvalidateResult r = second.invalidate(spec);
+  EXPECT_EQ(r.disk, 2);  // t2's files, which `first` wrote... and `second` itself
+  first.clear(kMemoryTier);
+  EXPECT_EQ(first.match(spec, t2).tokens(), 0);
+  EXPECT_TRUE(exact(first, other, t2, kv2));
+  EXPECT_EQ(first.stats().disk.bytes_used, 2 * block_bytes(spec));
+  EXPECT_EQ(first.stats().disk.corrupt + second.stats().disk.corrupt, 0);
+  EXPECT_EQ(first.stats().disk.errors + second.stats().disk.errors, 0);
+
   StoreOptions bad = disk_options("/proc/kvbridge-cannot-create");
   EXPECT_THROW(KVStore s(bad), Unavailable);
   bad = disk_options(dir.path);
@@ -345,6 +386,46 @@ TEST(StoreDisk, TtlExpiresInEveryLocalTier) {
   EXPECT_TRUE(entry_files(dir.path).empty());
 }
 
+// An entry put under a TTL keeps its expiry in its file: a store opened later without a TTL
+// neither serves it nor keeps it once it has expired (at open, and on a read by a store that
+// was already open).
+TEST(StoreDisk, TtlExpiryStaysWithTheFileWhenReopenedWithoutTtl) {
+  TempDir dir;
+  const ModelSpec spec = testing::small_spec();
+  int64_t now = 5000000;
+  StoreOptions o = disk_options(dir.path);
+  o.ttl_seconds = 10;
+  o.clock_ms = [&now] { return now; };
+  const auto a = testing::random_tokens(2 * kChunk, 21);
+  const auto b = testing::random_tokens(kChunk, 22);
+  DenseKV kva(spec, 2 * kChunk, 21), kvb(spec, kChunk, 22);
+  { KVStore(o).put(spec, a, kva.view); }
+  now += 10000;  // a's chunks expire now
+  StoreOptions plain = o;
+  plain.ttl_seconds = 0;
+  {
+    KVStore store(plain);
+    EXPECT_EQ(store.stats().disk.expired, 2);
+    EXPECT_EQ(store.stats().disk.entries, 0);
+    EXPECT_EQ(store.match(spec, a).tokens(), 0);
+    EXPECT_TRUE(entry_files(dir.path).empty());
+  }
+  { KVStore(o).put(spec, b, kvb.view); }
+  KVStore store(plain);  // b is young: served
+  store.clear(kMemoryTier);
+  EXPECT_EQ(store.match(spec, b).tokens(), kChunk);
+  store.clear(kMemoryTier);
+  now += 10000;
+  EXPECT_EQ(store.match(spec, b).tokens(), 0);  // expired while this store was open
+  EXPECT_EQ(store.stats().disk.expired, 1);
+  EXPECT_TRUE(entry_files(dir.path).empty());
+  // A store without a TTL writes entries that never expire.
+  store.put(spec, b, kvb.view);
+  now += int64_t{1000} * 1000000;
+  store.clear(kMemoryTier);
+  EXPECT_EQ(store.match(spec, b).tokens(), kChunk);
+}
+
 TEST(StoreDisk, EraseInvalidateAndClearReachTheDisk) {
   TempDir dir;
   const ModelSpec a = testing::small_spec();
@@ -368,11 +449,31 @@ TEST(StoreDisk, EraseInvalidateAndClearReachTheDisk) {
   EXPECT_EQ(store.match(a, tokens, "t1").tokens(), 0);
   EXPECT_EQ(store.match(a, tokens, "t2").tokens(), 0);
   EXPECT_EQ(store.match(b, tokens, "t1").tokens(), 3 * kChunk);
-  EXPECT_FALSE(std::filesystem::exists(dir.path + "/kvbridge-v1/" + a.fingerprint()));
   store.clear();
   EXPECT_EQ(store.stats().disk.entries, 0);
   EXPECT_EQ(store.stats().disk.bytes_used, 0);
   EXPECT_TRUE(entry_files(dir.path).empty());
+  // The emptied directories go when a store opens the directory with no other store alive.
+  EXPECT_TRUE(std::filesystem::exists(dir.path + "/kvbridge-v1/" + a.fingerprint()));
+  { KVStore another(disk_options(dir.path)); }  // `store` still lives
+  EXPECT_TRUE(std::filesystem::exists(dir.path + "/kvbridge-v1/" + a.fingerprint()));
+}
+
+TEST(StoreDisk, StoreOpenedAloneRemovesEmptyDirectories) {
+  TempDir dir;
+  const ModelSpec a = testing::small_spec();
+  const auto tokens = testing::random_tokens(3 * kChunk, 9);
+  DenseKV kv(a, 3 * kChunk, 9);
+  {
+    KVStore store(disk_options(dir.path));
+    store.put(a, tokens, kv.view);
+    store.invalidate(a);
+  }
+  KVStore store(disk_options(dir.path));
+  EXPECT_FALSE(std::filesystem::exists(dir.path + "/kvbridge-v1/" + a.fingerprint()));
+  EXPECT_EQ(store.put(a, tokens, kv.view), 3 * kChunk);
+  EXPECT_EQ(store.stats().disk.writes, 3);
+  EXPECT_EQ(store.stats().disk.write_failures, 0);
 }
 
 TEST(StoreDisk, FsyncedWritesRoundTrip) {

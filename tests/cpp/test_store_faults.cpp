@@ -26,15 +26,6 @@ void write_file(const std::string& path, const std::vector<unsigned char>& bytes
   f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
 }
 
-StoreOptions helper_disk_options(const std::string& dir) {
-  StoreOptions o;
-  o.chunk_tokens = testing::kHelperChunk;
-  o.capacity_bytes = int64_t{16} << 20;
-  o.disk_dir = dir;
-  o.disk_fsync = false;
-  return o;
-}
-
 // A child process writes 4 MiB prompts (four 1 MiB entries, fsync on) and is SIGKILLed at a
 // random moment, five times. Then every prompt it may have touched is matched: a hit must be
 // byte-exact, no file may fail validation, and no temporary file may survive the next open.
@@ -62,7 +53,7 @@ TEST(StoreFaults, KilledWriterNeverLeavesATornEntry) {
     for (const std::string& f : testing::files_with_suffix(dir.path, ""))
       temporaries_seen += f.find(".tmp.") != std::string::npos;  // the next open removes them
   }
-  KVStore store(helper_disk_options(dir.path));
+  KVStore store(testing::helper_disk_options(dir.path));
   // Temporary files are named <entry>.tmp.<pid>.<n>; the open removed every one.
   for (const std::string& f : testing::files_with_suffix(dir.path, ""))
     EXPECT_EQ(f.find(".tmp."), std::string::npos) << f;
@@ -95,7 +86,7 @@ TEST(StoreFaults, KilledWriterNeverLeavesATornEntry) {
 TEST(StoreFaults, CorruptFilesAreCountedMissesAndQuarantined) {
   TempDir dir;
   const ModelSpec spec = testing::small_spec(DType::kBFloat16, 3, 2, 8);
-  StoreOptions o = helper_disk_options(dir.path);
+  StoreOptions o = testing::helper_disk_options(dir.path);
   o.chunk_tokens = 16;
   KVStore store(o);
   const auto tokens = testing::random_tokens(16, 5);
@@ -147,7 +138,7 @@ TEST(StoreFaults, CorruptFilesAreCountedMissesAndQuarantined) {
 TEST(StoreFaults, CorruptionFoundAfterReopen) {
   TempDir dir;
   const ModelSpec spec = testing::small_spec();
-  StoreOptions o = helper_disk_options(dir.path);
+  StoreOptions o = testing::helper_disk_options(dir.path);
   o.chunk_tokens = 8;
   const auto tokens = testing::random_tokens(24, 3);
   DenseKV kv(spec, 24, 3);
@@ -173,7 +164,7 @@ TEST(StoreFaults, CorruptionFoundAfterReopen) {
 TEST(StoreFaults, WriteErrorsDegradeToSkippedWrites) {
   TempDir dir;
   const ModelSpec spec = testing::small_spec(DType::kFloat32, 4, 4, 16);
-  StoreOptions o = helper_disk_options(dir.path);
+  StoreOptions o = testing::helper_disk_options(dir.path);
   o.chunk_tokens = 16;
   KVStore store(o);
   const auto tokens = testing::random_tokens(32, 1);
@@ -206,7 +197,7 @@ TEST(StoreFaults, WriteErrorsDegradeToSkippedWrites) {
 TEST(StoreFaults, ReadErrorsAreCountedMisses) {
   TempDir dir;
   const ModelSpec spec = testing::small_spec();
-  StoreOptions o = helper_disk_options(dir.path);
+  StoreOptions o = testing::helper_disk_options(dir.path);
   o.chunk_tokens = 8;
   KVStore store(o);
   const auto tokens = testing::random_tokens(8, 2);
@@ -245,7 +236,7 @@ TEST(StoreFaults, EveryCorruptOffsetIsACountedMissMovedAside) {
   constexpr int64_t kChunk = 12;
   for (StorageFormat storage : {StorageFormat::kNative, StorageFormat::kInt8}) {
     TempDir dir;
-    StoreOptions o = helper_disk_options(dir.path);
+    StoreOptions o = testing::helper_disk_options(dir.path);
     o.chunk_tokens = kChunk;
     o.storage = storage;
     KVStore store(o);

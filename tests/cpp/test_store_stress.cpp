@@ -187,5 +187,96 @@ TEST(KVStoreStress, AllTiersInt8EveryHitIsTheDecodedChunk) {
   all_tiers_stress(StorageFormat::kInt8);
 }
 
+
+// invalidate() racing put() on the disk tier while a second store of the same directory reads:
+// no write may fail (an empty directory the invalidate removes while a put writes into it is
+// made again) and no hit may differ from what was put.
+TEST(KVStoreStress, DiskInvalidateRacingPutNeverFailsAWrite) {
+  testing::TempDir dir;
+  const StoreOptions o = testing::shared_options(dir.path, int64_t{64} << 20);
+  KVStore writer(o), reader(o);
+  const ModelSpec spec = testing::shared_spec(0);
+  std::vector<std::unique_ptr<testing::DenseKV>> kvs;
+  for (uint64_t p = 0; p < 8; ++p)
+    kvs.push_back(std::make_unique<testing::DenseKV>(spec, testing::kSharedTokens, p));
+  // The writers go on until at least 20 invalidates removed files, so the race is run
+  // whatever the scheduling.
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> wrong{0}, invalidations{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      for (uint64_t i = 0; i < 1500 || invalidations.load() < 20; ++i) {
+        const uint64_t p = (i + 3 * static_cast<uint64_t>(t)) % 8;
+        writer.put(spec, testing::shared_tokens(p), kvs[p]->view);
+      }
+    });
+  }
+  std::thread invalidator([&] {
+    while (!stop.load())
+      if (writer.invalidate(spec).disk > 0) invalidations.fetch_add(1);
+  });
+  std::thread other([&] {
+    for (uint64_t i = 0; !stop.load(); ++i) wrong += testing::match_exact(reader, 0, i % 8) < 0;
+  });
+  for (auto& th : threads) th.join();
+  stop = true;
+  invalidator.join();
+  other.join();
+  const StoreStats st = writer.stats();
+  EXPECT_GE(invalidations.load(), 20);
+  EXPECT_GT(st.disk.writes, 32);  // rewrites after invalidates
+  EXPECT_EQ(st.disk.write_failures, 0);
+  EXPECT_EQ(st.disk.errors, 0);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(reader.stats().disk.corrupt + reader.stats().disk.errors, 0);
+}
+
+// Two stores of one directory in one process, two threads each, on a disk budget of 12 files
+// for 24 entries: every hit exact, and the directory-wide count both see equals what the files
+// take once the threads are done.
+TEST(KVStoreStress, TwoStoresOfOneDirectoryShareTheBudget) {
+  testing::TempDir dir;
+  const StoreOptions o = testing::shared_options(dir.path, 12 * testing::kSharedFileBlocks);
+  KVStore a(o), b(o);
+  KVStore* stores[2] = {&a, &b};
+  const ModelSpec spec = testing::shared_spec(0);
+  std::vector<std::unique_ptr<testing::DenseKV>> kvs;
+  for (uint64_t p = 0; p < 6; ++p)
+    kvs.push_back(std::make_unique<testing::DenseKV>(spec, testing::kSharedTokens, p));
+  std::atomic<int64_t> wrong{0}, hits{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      KVStore& s = *stores[t % 2];
+      std::mt19937 rng(40 + t);
+      for (int op = 0; op < 400; ++op) {
+        const uint64_t p = rng() % 6;
+        const unsigned kind = rng() % 10;
+        if (kind < 4) {
+          s.put(spec, testing::shared_tokens(p), kvs[p]->view);
+        } else if (kind < 9) {
+          const int64_t got = testing::match_exact(s, 0, p);
+          wrong += got < 0;
+          hits += got > 0;
+        } else {
+          s.erase(spec, testing::shared_tokens(p), "default", kDiskTier);
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  int64_t files = 0;
+  for (const std::string& f : testing::files_with_suffix(dir.path, ".kvb"))
+    files += (static_cast<int64_t>(std::filesystem::file_size(f)) + 4095) / 4096 * 4096;
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(hits.load(), 50);
+  EXPECT_GT(a.stats().disk.evictions + b.stats().disk.evictions, 0);
+  EXPECT_EQ(a.stats().disk.bytes_used, files);
+  EXPECT_EQ(b.stats().disk.bytes_used, files);
+  EXPECT_LE(files, o.disk_capacity_bytes);
+  EXPECT_EQ(a.stats().disk.corrupt + b.stats().disk.corrupt, 0);
+}
+
 }  // namespace
 }  // namespace kvbridge

@@ -111,6 +111,52 @@ inline ModelSpec helper_spec() {
 inline std::vector<int64_t> helper_tokens(uint64_t seed) {
   return random_tokens(kHelperTokens, seed);
 }
+/// A store of helper prompts on a disk directory (16 MiB of memory, no fsync).
+inline StoreOptions helper_disk_options(const std::string& dir) {
+  StoreOptions o;
+  o.chunk_tokens = kHelperChunk;
+  o.capacity_bytes = int64_t{16} << 20;
+  o.disk_dir = dir;
+  o.disk_fsync = false;
+  return o;
+}
+
+// The shared-directory tests (test_store_shared.cpp and their helper processes): small entries
+// (8 KiB payload, 12 KiB file blocks) so four processes churn a budget of a few dozen files.
+constexpr int64_t kSharedChunk = 16;
+constexpr int64_t kSharedTokens = 4 * kSharedChunk;
+constexpr int64_t kSharedFileBlocks = 12288;  // 160 + 4*16 + 8192 + 16 bytes, in 4 KiB blocks
+inline ModelSpec shared_spec(int model) {
+  ModelSpec s = small_spec(DType::kFloat32, 2, 2, 16);
+  s.name = "shared-model-" + std::to_string(model);
+  return s;
+}
+/// Prompt `seed`'s tokens; its KV is DenseKV(shared_spec(m), kSharedTokens, seed).
+inline std::vector<int64_t> shared_tokens(uint64_t seed) {
+  return random_tokens(kSharedTokens, 7919 * seed + 1);
+}
+inline StoreOptions shared_options(const std::string& dir, int64_t disk_capacity) {
+  StoreOptions o;
+  o.chunk_tokens = kSharedChunk;
+  o.capacity_bytes = int64_t{1} << 20;
+  o.num_shards = 2;
+  o.disk_dir = dir;
+  o.disk_capacity_bytes = disk_capacity;
+  o.disk_fsync = false;
+  return o;
+}
+/// Matches prompt `seed` of `model` with nothing in memory: -1 when a hit differs from what was
+/// put (any byte), else the tokens matched.
+inline int64_t match_exact(KVStore& store, int model, uint64_t seed) {
+  store.clear(kMemoryTier);
+  const ModelSpec spec = shared_spec(model);
+  Match m = store.match(spec, shared_tokens(seed));
+  if (m.tokens() == 0) return 0;
+  DenseKV expect(spec, kSharedTokens, seed);
+  DenseKV out(spec, m.tokens(), seed + 1);
+  m.copy_to(out.view);
+  return same_elements(out.view, expect.view.slice_tokens(0, m.tokens())) ? m.tokens() : -1;
+}
 
 /// A fresh directory under $TMPDIR (or /tmp), removed with everything in it on destruction.
 struct TempDir {

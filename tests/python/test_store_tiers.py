@@ -94,7 +94,7 @@ def test_second_process_reads_the_disk_tier(spec, tmp_path):
     kv = random_kv(spec, 32, seed=5)
     store = kvbridge.KVStore(1 << 22, chunk_tokens=8, disk_dir=tmp_path)
     store.put(spec, tokens, kv)
-    del store  # releases the directory for the other process
+    del store
     torch.save(kv, tmp_path / "expected.pt")
     code = textwrap.dedent(f"""
         import torch, kvbridge
@@ -110,6 +110,48 @@ def test_second_process_reads_the_disk_tier(spec, tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["32", "True", "4"]
+
+
+def test_disk_dir_shared_by_two_stores_and_another_process(spec, tmp_path):
+    """Two live stores in this process and a third in a child process, on one directory."""
+    def prompt(i):
+        return list(range(5000 + 100 * i, 5000 + 100 * i + 16))
+
+    kvs = [random_kv(spec, 16, seed=20 + i) for i in range(3)]
+    torch.save(kvs, tmp_path / "expected.pt")
+    opts = dict(chunk_tokens=8, disk_dir=tmp_path / "cache", disk_fsync=False)
+    a = kvbridge.KVStore(1 << 22, **opts)
+    b = kvbridge.KVStore(1 << 22, **opts)
+    assert a.put(spec, prompt(0), kvs[0]) == 16
+    m = b.match(spec, prompt(0))  # b opened before a wrote: read from a's files
+    assert m.tokens == 16 and _same(m.kv, kvs[0], 16)
+    assert b.stats()["disk"]["hit_chunks"] == 2
+    assert b.put(spec, prompt(1), kvs[1]) == 16
+    code = textwrap.dedent(f"""
+        import torch, kvbridge
+        spec = kvbridge.ModelSpec("test-model", num_layers=3, num_kv_heads=2, head_dim=6)
+        store = kvbridge.KVStore(1 << 22, chunk_tokens=8, disk_dir={str(tmp_path / "cache")!r})
+        kvs = torch.load({str(tmp_path / "expected.pt")!r})
+        ok = []
+        for i in (0, 1):
+            m = store.match(spec, list(range(5000 + 100 * i, 5000 + 100 * i + 16)))
+            ok.append(m.tokens == 16 and all(torch.equal(x, y[:, :, :16])
+                                             for p, q in zip(m.kv, kvs[i]) for x, y in zip(p, q)))
+        stored = store.put(spec, list(range(5200, 5216)), kvs[2])
+        print(all(ok), stored, store.stats()["disk"]["hit_chunks"])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "16", "4"]
+    m = a.match(spec, prompt(2))  # the child's put
+    assert m.tokens == 16 and _same(m.kv, kvs[2], 16)
+    per_file = (160 + 4 * 8 + spec.kv_bytes_per_token() * 8 + 16 + 4095) // 4096 * 4096
+    assert a.stats()["disk"]["bytes_used"] == b.stats()["disk"]["bytes_used"] == 6 * per_file
+    assert a.invalidate(spec)["disk"] == 6  # every store's files
+    b.clear(tiers=("memory",))
+    assert b.match(spec, prompt(2)).tokens == 0
+    assert b.stats()["disk"]["bytes_used"] == 0
 
 
 def test_disk_budget_and_corruption(spec, tmp_path):
@@ -144,8 +186,10 @@ def test_options_are_checked(spec, tmp_path):
     with pytest.raises(ValueError, match="redis_url"):
         kvbridge.KVStore(1 << 20, redis_url="http://localhost")
     first = kvbridge.KVStore(1 << 20, disk_dir=tmp_path)
-    with pytest.raises(kvbridge.UnavailableError, match="in use"):
-        kvbridge.KVStore(1 << 20, disk_dir=tmp_path)
+    kvbridge.KVStore(1 << 20, disk_dir=tmp_path)  # a second live store shares the directory
+    (tmp_path / "plain-file").write_bytes(b"x")
+    with pytest.raises(kvbridge.UnavailableError, match="cannot create"):
+        kvbridge.KVStore(1 << 20, disk_dir=tmp_path / "plain-file" / "cache")
     with pytest.raises(ValueError, match="tiers"):
         first.clear(tiers=("cache",))
     lfu = kvbridge.KVStore(1 << 20, eviction="lfu", ttl_seconds=60)
