@@ -89,7 +89,8 @@ class _Shared:
         try:
             self.store = KVStore(capacity, chunk, **store_kw)
         except _core.UnavailableError as e:
-            # Another live process holds the disk directory: serve from memory only.
+            # The disk directory cannot be opened (unwritable, or held by an older kvbridge):
+            # serve from memory only rather than fail the engine.
             logger.error("kvbridge: store unavailable (%s); running with a memory-only store, "
                          "entries of other processes are misses", e)
             self.count("store_unavailable")
