@@ -243,7 +243,7 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
   m.converted_tokens.fetch_add(missing, std::memory_order_relaxed);
 
   if (m.options.write_back) {
-    const int64_t cached = m.store.put(spec, TokenSpan(tokens.data, static_cast<size_t>(total)),
+    const int64_t cached = m.store.put(spec, tokens.first(static_cast<size_t>(total)),
                                        full, ns);
     m.written_back_tokens.fetch_add(std::max<int64_t>(cached - native_len, 0),
                                     std::memory_order_relaxed);
