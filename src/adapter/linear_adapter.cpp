@@ -34,7 +34,8 @@ int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dty
       static_cast<int64_t>(sizeof(float)) * (used * 2 * a.source_width() + a.target_width());
   const int64_t per_token_output = a.target.num_layers * 2 * a.target_width() *
                                    static_cast<int64_t>(dtype_size(dst_dtype));
-  const int64_t fit = tokens * per_token_output / std::max<int64_t>(per_token_work, 1);
+  // 90%: the GEMM's packing buffers and the allocator take a few percent on top.
+  const int64_t fit = tokens * per_token_output * 9 / (10 * std::max<int64_t>(per_token_work, 1));
   return std::min(tokens, std::max(kMinBlockTokens, fit));
 }
 
