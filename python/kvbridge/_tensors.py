@@ -18,29 +18,33 @@ KVCache = Tuple[Tuple[torch.Tensor, torch.Tensor], ...]
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def as_tokens(tokens: Any) -> np.ndarray:
-    """A 1-D C-contiguous int64 array of the token ids (a copy only when needed)."""
+def as_tokens(tokens: Any) -> Any:
+    """The token ids in a form the native core reads: a list or tuple as it is, a numpy array
+    as it is, a torch integer tensor as a numpy view of its CPU memory, anything else through
+    np.asarray. The core checks the rest (integer dtype, 1-D, every id in [0, 2^32)) and raises
+    TypeError or kvbridge.InvalidArgumentError naming the bad id."""
+    if isinstance(tokens, (list, tuple, np.ndarray)):
+        return tokens
     if isinstance(tokens, torch.Tensor):
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"tokens: expected an integer tensor, got dtype {tokens.dtype}")
-        tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
-    if arr.dtype.kind not in "iu":
-        if arr.size == 0 and arr.dtype.kind == "f":  # [] comes out as float64
-            arr = arr.astype(np.int64)
-        else:
-            raise TypeError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"tokens: expected a 1-D sequence, got shape {tuple(arr.shape)}")
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 2**63:
-        raise ValueError(f"tokens: id {int(arr.max())} is outside the token id range [0, 2^32)")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+        if tokens.layout != torch.strided or tokens.device.type == "meta":
+            raise TypeError("tokens: expected a dense tensor with data, got layout "
+                            f"{tokens.layout} on {tokens.device}")
+        return tokens.detach().cpu().numpy()
+    return np.asarray(tokens)
+
+
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
 def tensor_view(t: torch.Tensor) -> _core.TensorView:
-    dtype = str(t.dtype).replace("torch.", "")
-    return _core.TensorView(t.data_ptr(), dtype, list(t.shape), list(t.stride()),
-                            t.device.type, t.device.index or 0)
+    # The per-call cost of put and match is mostly here: cheap attribute reads first.
+    dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype).replace("torch.", "")
+    if t.is_cpu:
+        return _core.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), "cpu", 0)
+    return _core.TensorView(t.data_ptr(), dtype, t.shape, t.stride(), t.device.type,
+                            t.device.index or 0)
 
 
 def is_cache_object(kv: Any) -> bool:

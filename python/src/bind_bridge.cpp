@@ -5,19 +5,13 @@
 #include <pybind11/stl.h>
 
 #include "kvbridge/kvbridge.h"
+#include "tokens.h"
 
 namespace py = pybind11;
 
 namespace kvbridge::python {
 
 namespace {
-
-using Tokens = py::array_t<int64_t, py::array::c_style>;
-
-TokenSpan span_of(const Tokens& tokens) {
-  KVB_CHECK(tokens.ndim() == 1, "tokens: expected 1 dim, got " << tokens.ndim());
-  return TokenSpan(tokens.data(), static_cast<size_t>(tokens.size()));
-}
 
 py::dict stats_dict(const BridgeStats& s) {
   py::dict d;
@@ -95,10 +89,11 @@ void bind_bridge(py::module_& m) {
       .def_static("quality", &Bridge::quality, py::arg("adapter"))
       .def(
           "save",
-          [](Bridge& b, const ModelSpec& spec, const Tokens& tokens,
+          [](Bridge& b, const ModelSpec& spec, const py::handle& tokens,
              const std::vector<TensorView>& keys, const std::vector<TensorView>& values,
              const std::string& ns) {
-            const TokenSpan span = span_of(tokens);
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
             const KVView kv = KVView::from_hf_layers(keys, values);
             py::gil_scoped_release release;
             return b.save(spec, span, kv, ns);
@@ -107,8 +102,9 @@ void bind_bridge(py::module_& m) {
           py::arg("namespace"))
       .def(
           "load",
-          [](Bridge& b, const ModelSpec& spec, const Tokens& tokens, const std::string& ns) {
-            const TokenSpan span = span_of(tokens);
+          [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const std::string& ns) {
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
             py::gil_scoped_release release;
             return b.load(spec, span, ns);
           },

@@ -6,10 +6,12 @@
 #include <pybind11/stl.h>
 
 #include "bind_bridge.h"
+#include "tokens.h"
 #include "kvbridge/kvbridge.h"
 
 namespace py = pybind11;
 using namespace kvbridge;
+using kvbridge::python::PyTokens;
 
 namespace {
 
@@ -46,11 +48,6 @@ TensorView make_view(uintptr_t data, const std::string& dtype, std::vector<int64
   v.shape = std::move(shape);
   v.strides = std::move(strides);
   return v;
-}
-
-TokenSpan token_span(const py::array_t<int64_t, py::array::c_style>& tokens) {
-  KVB_CHECK(tokens.ndim() == 1, "tokens: expected 1 dim, got " << tokens.ndim());
-  return TokenSpan(tokens.data(), static_cast<size_t>(tokens.size()));
 }
 
 py::dict tier_dict(const TierStats& t) {
@@ -352,11 +349,11 @@ PYBIND11_MODULE(_core, m) {
           "storage", [](const KVStore& s) { return storage_format_name(s.options().storage); })
       .def(
           "put",
-          [](KVStore& store, const ModelSpec& spec,
-             const py::array_t<int64_t, py::array::c_style>& tokens,
+          [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,
              const std::vector<TensorView>& keys, const std::vector<TensorView>& values,
              const std::string& ns) {
-            const TokenSpan span = token_span(tokens);
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
             const KVView kv = KVView::from_hf_layers(keys, values);
             py::gil_scoped_release release;
             return store.put(spec, span, kv, ns);
@@ -365,19 +362,20 @@ PYBIND11_MODULE(_core, m) {
           py::arg("namespace"))
       .def(
           "match",
-          [](KVStore& store, const ModelSpec& spec,
-             const py::array_t<int64_t, py::array::c_style>& tokens, const std::string& ns) {
-            const TokenSpan span = token_span(tokens);
+          [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,
+             const std::string& ns) {
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
             py::gil_scoped_release release;
             return store.match(spec, span, ns);
           },
           py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
       .def(
           "erase",
-          [](KVStore& store, const ModelSpec& spec,
-             const py::array_t<int64_t, py::array::c_style>& tokens, const std::string& ns,
-             unsigned tiers) {
-            const TokenSpan span = token_span(tokens);
+          [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,
+             const std::string& ns, unsigned tiers) {
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
             py::gil_scoped_release release;
             return store.erase(spec, span, ns, tiers);
           },
@@ -474,12 +472,13 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "prefix_hashes",
-      [](const ModelSpec& spec, const py::array_t<int64_t, py::array::c_style>& tokens,
-         const std::string& ns, int64_t chunk_tokens) {
+      [](const ModelSpec& spec, const py::handle& tokens, const std::string& ns,
+         int64_t chunk_tokens) {
         spec.validate();
+        const PyTokens ids(tokens);
         const Hash128 salt = prefix_salt(ns, spec);
         std::vector<std::string> out{salt.hex()};
-        for (const Hash128& h : prefix_hashes(salt, token_span(tokens), chunk_tokens))
+        for (const Hash128& h : prefix_hashes(salt, ids.span(), chunk_tokens))
           out.push_back(h.hex());
         return out;
       },

@@ -267,8 +267,8 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
 
   const Provenance provenance{adapter.source().fingerprint(), adapter.fingerprint()};
   if (m.options.write_back) {
-    const int64_t cached = m.store.put(spec, TokenSpan(tokens.data, static_cast<size_t>(total)),
-                                       full, ns, provenance);
+    const int64_t cached =
+        m.store.put(spec, tokens.first(static_cast<size_t>(total)), full, ns, provenance);
     m.written_back_tokens.fetch_add(std::max<int64_t>(cached - native_len, 0),
                                     std::memory_order_relaxed);
   }

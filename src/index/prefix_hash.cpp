@@ -1,9 +1,12 @@
 #include "kvbridge/prefix_hash.h"
 
 #include <cstring>
+#include <sstream>
+#include <string>
 
 #include "kvbridge/error.h"
 #include "src/core/xxh3.h"
+#include "src/index/token_ids.h"
 
 namespace kvbridge {
 namespace {
@@ -45,19 +48,58 @@ std::string Hash128::hex() const {
   return s;
 }
 
-void check_tokens(TokenSpan tokens) {
+namespace {
+
+void check_not_empty(TokenSpan tokens) {
   KVB_CHECK(tokens.size > 0, "tokens must not be empty");
-  KVB_CHECK(tokens.data != nullptr, "tokens: null data pointer");
-  // One branch-free pass (vectorizes); the slow loop below only runs to name the bad id.
+  KVB_CHECK(tokens.data != nullptr || tokens.data32 != nullptr, "tokens: null data pointer");
+}
+
+// Names the first id of an int64 span outside [0, 2^32) (called once one is known to exist).
+[[noreturn]] void throw_first_bad(const int64_t* ids, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= kMaxToken) throw_token_out_of_range(i, std::to_string(ids[i]));
+  throw_token_out_of_range(n, "?");  // not reached: the caller saw a bad id
+}
+
+}  // namespace
+
+void throw_token_out_of_range(size_t index, std::string_view value) {
+  std::ostringstream msg;
+  msg << "tokens[" << index << "] = " << value << " is outside the token id range [0, 2^32)";
+  throw InvalidArgument(msg.str(), __FILE__, __LINE__);
+}
+
+void check_tokens(TokenSpan tokens) {
+  check_not_empty(tokens);
+  if (tokens.data32) return;  // every u32 is an id
+  // One branch-free pass (vectorizes); the slow loop only runs to name the bad id.
   uint64_t high_bits = 0;
   for (size_t i = 0; i < tokens.size; ++i) high_bits |= static_cast<uint64_t>(tokens.data[i]) >> 32;
-  if (high_bits == 0) return;
-  for (size_t i = 0; i < tokens.size; ++i) {
-    const int64_t t = tokens.data[i];
-    KVB_CHECK(t >= 0 && t < kMaxToken,
-              "tokens[" << i << "] = " << t << " is outside the token id range [0, 2^32)");
-  }
+  if (high_bits != 0) throw_first_bad(tokens.data, tokens.size);
 }
+
+namespace detail {
+
+TokenIds::TokenIds(TokenSpan tokens) : size_(tokens.size) {
+  check_not_empty(tokens);
+  if (tokens.data32) {
+    data_ = tokens.data32;
+    return;
+  }
+  narrowed_.resize(tokens.size);
+  uint32_t* out = narrowed_.data();
+  const int64_t* in = tokens.data;
+  uint64_t high_bits = 0;  // checked and narrowed in the same pass
+  for (size_t i = 0; i < tokens.size; ++i) {
+    high_bits |= static_cast<uint64_t>(in[i]) >> 32;
+    out[i] = static_cast<uint32_t>(in[i]);
+  }
+  if (high_bits != 0) throw_first_bad(in, tokens.size);
+  data_ = out;
+}
+
+}  // namespace detail
 
 Hash128 prefix_salt(std::string_view ns, const ModelSpec& spec) {
   std::string salt = "kvbridge.prefix.v1";
@@ -67,7 +109,7 @@ Hash128 prefix_salt(std::string_view ns, const ModelSpec& spec) {
   return detail::xxh3_128(salt.data(), salt.size());
 }
 
-Hash128 chain_hash(const Hash128& previous, const int64_t* chunk, int64_t count) {
+Hash128 chain_hash(const Hash128& previous, const uint32_t* chunk, int64_t count) {
   // Stack buffer for the common chunk sizes; the hash input is small and built once.
   constexpr int64_t kStackTokens = 1024;
   unsigned char stack_buf[16 + 4 * kStackTokens];
@@ -80,25 +122,28 @@ Hash128 chain_hash(const Hash128& previous, const int64_t* chunk, int64_t count)
   put_u64le(buf, previous.low);
   put_u64le(buf + 8, previous.high);
   if constexpr (kLittleEndianHost) {
-    for (int64_t i = 0; i < count; ++i) {
-      const uint32_t id = static_cast<uint32_t>(chunk[i]);
-      std::memcpy(buf + 16 + 4 * i, &id, 4);
-    }
+    std::memcpy(buf + 16, chunk, static_cast<size_t>(4 * count));
   } else {
-    for (int64_t i = 0; i < count; ++i) put_u32le(buf + 16 + 4 * i, static_cast<uint32_t>(chunk[i]));
+    for (int64_t i = 0; i < count; ++i) put_u32le(buf + 16 + 4 * i, chunk[i]);
   }
   return detail::xxh3_128(buf, static_cast<size_t>(16 + 4 * count));
 }
 
+Hash128 chain_hash(const Hash128& previous, const int64_t* chunk, int64_t count) {
+  std::vector<uint32_t> ids(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) ids[static_cast<size_t>(i)] = static_cast<uint32_t>(chunk[i]);
+  return chain_hash(previous, ids.data(), count);
+}
+
 std::vector<Hash128> prefix_hashes(const Hash128& salt, TokenSpan tokens, int64_t chunk_tokens) {
   KVB_CHECK(chunk_tokens > 0, "chunk_tokens must be > 0, got " << chunk_tokens);
-  check_tokens(tokens);
-  const int64_t chunks = static_cast<int64_t>(tokens.size) / chunk_tokens;
+  const detail::TokenIds ids(tokens);
+  const int64_t chunks = static_cast<int64_t>(ids.size()) / chunk_tokens;
   std::vector<Hash128> out;
   out.reserve(static_cast<size_t>(chunks));
   Hash128 h = salt;
   for (int64_t c = 0; c < chunks; ++c) {
-    h = chain_hash(h, tokens.data + c * chunk_tokens, chunk_tokens);
+    h = chain_hash(h, ids.data() + c * chunk_tokens, chunk_tokens);
     out.push_back(h);
   }
   return out;

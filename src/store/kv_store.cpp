@@ -10,12 +10,13 @@
 #include <deque>
 #include <mutex>
 #include <sstream>
-#include <unordered_map>
 #include <utility>
 
 #include "kvbridge/error.h"
 #include "src/core/path_check.h"
 #include "src/core/xxh3.h"
+#include "src/index/chunk_table.h"
+#include "src/index/token_ids.h"
 #include "src/store/disk_tier.h"
 #include "src/store/entry_codec.h"
 #include "src/store/eviction_order.h"
@@ -178,12 +179,9 @@ struct ChunkEntry {
                 .slice_tokens(begin, dst.tokens()),
             dst);
   }
-  bool same_chunk(const Hash128& s, const Hash128& p, const int64_t* ids) const {
-    if (salt != s || parent != p) return false;
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (tokens[i] != static_cast<uint64_t>(ids[i])) return false;
-    }
-    return true;
+  bool same_chunk(const Hash128& s, const Hash128& p, const uint32_t* ids) const {
+    return salt == s && parent == p &&
+           std::memcmp(tokens.data(), ids, 4 * tokens.size()) == 0;
   }
 };
 
@@ -197,7 +195,6 @@ using detail::EntryHeader;
 using detail::EvictionOrder;
 using detail::ExpectedEntry;
 using detail::Fingerprint;
-using detail::HashOf;
 using detail::LoadResult;
 using detail::RedisTier;
 using detail::TierCounters;
@@ -243,12 +240,13 @@ namespace {
 struct Slot {
   std::shared_ptr<ChunkEntry> entry;
   EvictionOrder::Handle order;
+  explicit operator bool() const noexcept { return entry != nullptr; }  // in use
 };
 
 struct Shard {
   explicit Shard(EvictionPolicy p) : order(p) {}
   std::mutex mu;
-  std::unordered_map<Hash128, Slot, HashOf> map;
+  detail::ChunkTable<Slot> map;
   EvictionOrder order;
 };
 
@@ -386,7 +384,7 @@ struct KVStore::Impl {
   }
 
   ExpectedEntry expected(const Call& c, const Hash128& key, const Hash128& parent,
-                         const int64_t* ids) const {
+                         const uint32_t* ids) const {
     ExpectedEntry w;
     w.key = key;
     w.parent = parent;
@@ -410,13 +408,11 @@ struct KVStore::Impl {
   }
 
   // Removes a slot under its shard lock; the entry is handed back to be freed after unlocking.
-  std::shared_ptr<ChunkEntry> unlink_locked(Shard& s,
-                                            std::unordered_map<Hash128, Slot, HashOf>::iterator it) {
-    std::shared_ptr<ChunkEntry> gone = std::move(it->second.entry);
-    s.order.erase(it->second.order);
-    s.map.erase(it);
+  std::shared_ptr<ChunkEntry> unlink_locked(Shard& s, const Hash128& key) {
+    Slot gone = s.map.erase(key);
+    s.order.erase(gone.order);
     entries.fetch_sub(1, std::memory_order_relaxed);
-    return gone;
+    return std::move(gone.entry);
   }
 
   // Removes every memory entry `doomed` selects (pinned ones leave the index at once and are
@@ -429,11 +425,11 @@ struct KVStore::Impl {
       std::vector<std::shared_ptr<ChunkEntry>> gone;  // freed after the lock is dropped
       {
         std::lock_guard<std::mutex> lock(s.mu);
-        for (auto it = s.map.begin(); it != s.map.end();) {
-          auto next = std::next(it);
-          if (doomed(*it->second.entry)) gone.push_back(unlink_locked(s, it));
-          it = next;
-        }
+        std::vector<Hash128> keys;  // collected first: unlinking moves the table's slots
+        s.map.for_each([&](const Hash128& key, const Slot& slot) {
+          if (doomed(*slot.entry)) keys.push_back(key);
+        });
+        for (const Hash128& key : keys) gone.push_back(unlink_locked(s, key));
       }
       removed += static_cast<int64_t>(gone.size());
     }
@@ -453,9 +449,9 @@ struct KVStore::Impl {
         // use_count is exact here: every other copy is made under this lock.
         if (s.order.find_coldest([&](const Hash128& k) {
               key = k;
-              return s.map.find(k)->second.entry.use_count() == 1;
+              return s.map.find(k)->entry.use_count() == 1;
             }))
-          victim = unlink_locked(s, s.map.find(key));
+          victim = unlink_locked(s, key);
       }
       if (victim) {
         TierCounters::add(memory_counters.evictions);
@@ -477,22 +473,22 @@ struct KVStore::Impl {
 
   // An expired entry is unlinked (handed back in *gone) and reported absent.
   Probe probe_and_touch(Shard& s, const Hash128& key, const Hash128& salt, const Hash128& parent,
-                        const int64_t* ids, int64_t now, std::shared_ptr<const ChunkEntry>* pin,
+                        const uint32_t* ids, int64_t now, std::shared_ptr<const ChunkEntry>* pin,
                         std::shared_ptr<ChunkEntry>* gone) {
-    auto it = s.map.find(key);
-    if (it == s.map.end()) return Probe::kAbsent;
-    if (expired(*it->second.entry, now)) {
-      *gone = unlink_locked(s, it);
+    Slot* slot = s.map.find(key);
+    if (!slot) return Probe::kAbsent;
+    if (expired(*slot->entry, now)) {
+      *gone = unlink_locked(s, key);
       TierCounters::add(memory_counters.expired);
       return Probe::kAbsent;
     }
-    if (!it->second.entry->same_chunk(salt, parent, ids)) return Probe::kCollision;
-    s.order.touch(it->second.order, key);
-    if (pin) *pin = it->second.entry;
+    if (!slot->entry->same_chunk(salt, parent, ids)) return Probe::kCollision;
+    s.order.touch(slot->order, key);
+    if (pin) *pin = slot->entry;
     return Probe::kSame;
   }
 
-  Probe probe(const Hash128& key, const Hash128& salt, const Hash128& parent, const int64_t* ids,
+  Probe probe(const Hash128& key, const Hash128& salt, const Hash128& parent, const uint32_t* ids,
               int64_t now, std::shared_ptr<const ChunkEntry>* pin) {
     Shard& s = shard_for(key);
     std::shared_ptr<ChunkEntry> gone;
@@ -503,12 +499,12 @@ struct KVStore::Impl {
   bool in_memory(const Hash128& key) {
     Shard& s = shard_for(key);
     std::lock_guard<std::mutex> lock(s.mu);
-    return s.map.count(key) != 0;
+    return s.map.contains(key);
   }
 
   // A new entry with its budget reserved and its payload allocated (contents not yet written),
   // or nullptr when no room can be made.
-  std::shared_ptr<ChunkEntry> new_entry(const Call& c, const Hash128& parent, const int64_t* ids,
+  std::shared_ptr<ChunkEntry> new_entry(const Call& c, const Hash128& parent, const uint32_t* ids,
                                         int64_t created_ms) {
     const int64_t bytes = entry_bytes(c.spec, c.chunk, options.storage);
     auto entry = std::make_shared<ChunkEntry>();
@@ -541,24 +537,23 @@ struct KVStore::Impl {
     std::shared_ptr<ChunkEntry> gone;
     std::lock_guard<std::mutex> lock(s.mu);
     *inserted = false;
-    auto it = s.map.find(key);
-    if (it != s.map.end()) {
-      const ChunkEntry& held = *it->second.entry;
+    if (Slot* held_slot = s.map.find(key)) {
+      const ChunkEntry& held = *held_slot->entry;
       if (expired(held, now)) {
-        gone = unlink_locked(s, it);
+        gone = unlink_locked(s, key);
         TierCounters::add(memory_counters.expired);
       } else if (held.salt != entry->salt || held.parent != entry->parent ||
                  held.tokens != entry->tokens) {
         return Probe::kCollision;
       } else {
-        s.order.touch(it->second.order, key);
-        *pin = it->second.entry;
+        s.order.touch(held_slot->order, key);
+        *pin = held_slot->entry;
         return Probe::kSame;
       }
     }
     *pin = entry;
     const int64_t created = entry->created_ms;
-    auto& slot = s.map[key];
+    Slot& slot = s.map.insert(key);
     slot.entry = std::move(entry);
     slot.order = s.order.insert(key, created);
     entries.fetch_add(1, std::memory_order_relaxed);
@@ -571,7 +566,7 @@ struct KVStore::Impl {
 
   // The chain keys of one call, hashed on demand.
   struct Keys {
-    const int64_t* tokens;
+    const uint32_t* tokens;
     int64_t chunk;
     std::vector<Hash128> h;  // h[c] = key of chunk c
     Hash128 salt;
@@ -634,7 +629,7 @@ struct KVStore::Impl {
       RemoteSlot& slot = w->slots[i];
       slot.present = true;
       const size_t k = w->begin + i;
-      const int64_t* ids = keys.tokens + static_cast<int64_t>(k) * call.chunk;
+      const uint32_t* ids = keys.tokens + static_cast<int64_t>(k) * call.chunk;
       const ExpectedEntry want = expected(call, keys.at(k), keys.parent(k), ids);
       slot.entry = new_entry(call, keys.parent(k), ids, call.now_ms);
       if (!slot.entry) {
@@ -671,7 +666,7 @@ struct KVStore::Impl {
                                                bool* collision) {
     const Hash128 key = keys.at(c);
     const Hash128 parent = keys.parent(c);
-    const int64_t* ids = keys.tokens + static_cast<int64_t>(c) * call.chunk;
+    const uint32_t* ids = keys.tokens + static_cast<int64_t>(c) * call.chunk;
     const ExpectedEntry want = expected(call, key, parent, ids);
     std::shared_ptr<ChunkEntry> entry;
     auto promote = [&](TierCounters& tier) -> std::shared_ptr<const ChunkEntry> {
@@ -768,7 +763,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
   Impl& m = *impl_;
   spec.validate();
   const detail::EntryProvenance origin = detail::to_entry_provenance(provenance);
-  check_tokens(tokens);
+  const detail::TokenIds ids_all(tokens);
   kv.check_matches(spec, "kv");
   KVB_CHECK(kv.tokens() == static_cast<int64_t>(tokens.size),
             "kv holds " << kv.tokens() << " tokens but tokens has " << tokens.size);
@@ -814,7 +809,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
   };
 
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t* ids = tokens.data + c * chunk;
+    const uint32_t* ids = ids_all.data() + c * chunk;
     const Hash128 key = chain_hash(parent, ids, chunk);
     std::shared_ptr<const ChunkEntry> pinned;
     Impl::Probe found = m.probe(key, call.salt, parent, ids, call.now_ms, &pinned);
@@ -914,17 +909,20 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
 Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) {
   Impl& m = *impl_;
   spec.validate();
-  check_tokens(tokens);
+  const detail::TokenIds ids_all(tokens);
   const Call call = m.call(spec, ns);
   const int64_t chunk = call.chunk;
   const size_t chunks = tokens.size / static_cast<size_t>(chunk);
   Match result;
   result.chunk_tokens_ = chunk;
-  Impl::Keys keys{tokens.data, chunk, {}, call.salt};  // hashed lazily: a miss stops early
+  Impl::Keys keys{ids_all.data(), chunk, {}, call.salt};  // hashed lazily: a miss stops early
+  keys.h.reserve(chunks);
+  result.entries_.reserve(chunks);
   Impl::RemoteWindow window;
+  int64_t memory_hits = 0;  // counted once per call, not per chunk
   for (size_t c = 0; c < chunks; ++c) {
     const Hash128 key = keys.at(c);
-    const int64_t* ids = tokens.data + static_cast<int64_t>(c) * chunk;
+    const uint32_t* ids = ids_all.data() + static_cast<int64_t>(c) * chunk;
     std::shared_ptr<const ChunkEntry> pinned;
     const Impl::Probe found = m.probe(key, call.salt, keys.parent(c), ids, call.now_ms, &pinned);
     if (found == Impl::Probe::kCollision) {
@@ -932,7 +930,7 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
       break;
     }
     if (found == Impl::Probe::kSame) {
-      TierCounters::add(m.memory_counters.hit_chunks);
+      ++memory_hits;
     } else {
       TierCounters::add(m.memory_counters.misses);
       if (!m.lower_tiers()) break;
@@ -943,6 +941,7 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
     }
     result.entries_.push_back(std::move(pinned));
   }
+  TierCounters::add(m.memory_counters.hit_chunks, memory_hits);
   result.tokens_ = result.chunks() * chunk;
   m.matches.fetch_add(1, std::memory_order_relaxed);
   (result.tokens_ ? m.hits : m.misses).fetch_add(1, std::memory_order_relaxed);
@@ -956,7 +955,8 @@ int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view
   spec.validate();
   const int64_t chunk = m.options.chunk_tokens;
   const Hash128 salt = store_salt(ns, spec, m.options.storage);
-  const std::vector<Hash128> keys = prefix_hashes(salt, tokens, chunk);
+  const detail::TokenIds ids(tokens);
+  const std::vector<Hash128> keys = prefix_hashes(salt, TokenSpan(ids.data(), ids.size()), chunk);
   int64_t removed = 0;
   Hash128 parent = salt;
   std::vector<std::string> remote;
@@ -967,10 +967,9 @@ int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view
       std::shared_ptr<ChunkEntry> gone;  // freed after the lock is dropped
       {
         std::lock_guard<std::mutex> lock(s.mu);
-        auto it = s.map.find(keys[c]);
-        if (it != s.map.end() &&
-            it->second.entry->same_chunk(salt, parent, tokens.data + c * chunk)) {
-          gone = m.unlink_locked(s, it);
+        const Slot* slot = s.map.find(keys[c]);
+        if (slot && slot->entry->same_chunk(salt, parent, ids.data() + c * chunk)) {
+          gone = m.unlink_locked(s, keys[c]);
         }
       }
       if (gone) {
@@ -1019,10 +1018,10 @@ void KVStore::clear(unsigned tiers) {
   if (tiers & kMemoryTier) {
     for (auto& shard : m.shards) {
       Shard& s = *shard;
-      std::unordered_map<Hash128, Slot, HashOf> gone;
+      std::vector<Slot> gone;  // freed after the lock is dropped
       {
         std::lock_guard<std::mutex> lock(s.mu);
-        gone.swap(s.map);
+        gone = s.map.take_all();
         s.order.clear();
       }
       m.entries.fetch_sub(static_cast<int64_t>(gone.size()), std::memory_order_relaxed);

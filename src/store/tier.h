@@ -40,7 +40,7 @@ struct ExpectedEntry {
   StorageFormat storage = StorageFormat::kNative;
   int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
   int64_t payload_bytes = 0;  // stored bytes (stored_payload_bytes)
-  const int64_t* tokens = nullptr;  // chunk ids
+  const uint32_t* tokens = nullptr;  // chunk ids
   int64_t now_ms = 0;
   int64_t ttl_ms = 0;  // 0: no expiry
 };
@@ -70,7 +70,7 @@ inline bool header_fits(const EntryHeader& h, const ExpectedEntry& want) {
 inline bool same_chunk(const EntryHeader& h, const uint32_t* tokens, const ExpectedEntry& want) {
   if (h.salt != want.salt || h.parent != want.parent) return false;
   for (int64_t i = 0; i < want.chunk; ++i)
-    if (tokens[i] != static_cast<uint64_t>(want.tokens[i])) return false;
+    if (tokens[i] != want.tokens[i]) return false;
   return true;
 }
 

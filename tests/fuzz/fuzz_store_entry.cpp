@@ -27,7 +27,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   ExpectedEntry want;
-  std::vector<int64_t> tokens;
+  std::vector<uint32_t> tokens;
   if (valid) {
     want.key = h.key;
     want.parent = h.parent;
@@ -44,7 +44,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (size_t i = 0; i < tokens.size(); ++i) {
       uint32_t t;
       std::memcpy(&t, data + kEntryHeaderBytes + 4 * i, 4);
-      tokens[i] = (i % 7 == 3) ? int64_t{t} ^ 1 : int64_t{t};  // some lookups collide
+      tokens[i] = (i % 7 == 3) ? t ^ 1u : t;  // some lookups collide
     }
     want.tokens = tokens.data();
     want.now_ms = h.created_ms + 5;
@@ -53,7 +53,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // A lookup the input cannot match: every path must still be a counted miss.
     want.layers = want.chunk = want.kv_heads = want.head_dim = 1;
     want.payload_bytes = 8;
-    static const int64_t one = 1;
+    static const uint32_t one = 1;
     want.tokens = &one;
   }
   std::vector<char> payload(static_cast<size_t>(want.payload_bytes));

@@ -190,3 +190,47 @@ def test_cli_errors_are_messages(tmp_path, capsys):
     assert cli.main(["eval", "--adapter", str(bad), "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kvbridge eval: error: ") and "Traceback" not in err
+
+
+
+@pytest.mark.parametrize("tokens, index, value", [
+    ([np.uint64(2**63), 1, 2, 3], 0, 2**63),             # came out as "dtype float64"
+    ([5, 2**63, 1, 2], 1, 2**63),                         # likewise, mixed with small ints
+    (np.array([1, 2, 3, 2**64 - 1], dtype=np.uint64), 3, 2**64 - 1),
+    ([1, 2, 2**70, 3], 2, 2**70),                         # beyond 64 bits
+    ([1, -2**63 - 1, 2, 3], 1, -2**63 - 1),
+    ([1, 2, 3, 2**32], 3, 2**32),
+    (torch.tensor([1, 2, -5, 3]), 2, -5),
+    (np.array([7, 8, 9, -1], dtype=np.int32)[::-1], 0, -1),  # strided, narrower dtype
+])
+def test_token_id_out_of_range_is_named(spec, store, tokens, index, value):
+    for call in (lambda: store.match(spec, tokens), lambda: kvbridge.prefix_hashes(spec, tokens)):
+        with pytest.raises(kvbridge.InvalidArgumentError,
+                           match=rf"tokens\[{index}\] = {value} is outside the token id range"):
+            call()
+
+
+@pytest.mark.parametrize("tokens, needle", [
+    ([1, 2, True, 3], r"tokens\[2\]: expected an integer token id, got bool"),
+    ([1, 2.0, 3, 4], r"tokens\[1\]: expected an integer token id, got float"),
+    ([[1, 2], [3, 4]], r"tokens\[0\]: expected an integer token id, got list"),
+    (np.array([True, False, True, True]), "got dtype bool"),
+    ("abcd", "got dtype <U4"),
+])
+def test_token_id_of_wrong_type_is_named(spec, store, tokens, needle):
+    with pytest.raises(TypeError, match=needle):
+        store.match(spec, tokens)
+
+
+def test_token_forms_agree(spec, store):
+    """A list, a tuple, numpy arrays of every integer width, strided arrays and torch tensors
+    of the same ids all hash to the same chain."""
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    want = kvbridge.prefix_hashes(spec, ids, chunk_tokens=4)
+    forms = [tuple(ids), np.array(ids, dtype=np.int64), torch.tensor(ids),
+             torch.tensor(ids, dtype=torch.int32), np.repeat(np.array(ids, dtype=np.int64), 2)[::2]]
+    forms += [np.array(ids, dtype=d) for d in (np.int8, np.int16, np.int32, np.uint8,
+                                               np.uint16, np.uint32, np.uint64)]
+    forms += [[np.int64(t) for t in ids]]
+    for form in forms:
+        assert kvbridge.prefix_hashes(spec, form, chunk_tokens=4) == want, type(form)
