@@ -721,7 +721,8 @@ void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos)
     for (size_t s = 0; s < layers.size(); ++s)
       acc.sx[s] += Xs.middleCols(static_cast<int64_t>(s) * Fl, Fl).colwise().sum().transpose();
     for (size_t k = 0; k < m.plan.blocks.size(); ++k) {
-      const auto [a, b] = m.plan.blocks[k];
+      // Plain copies, not a structured binding: C++17 lambdas cannot capture bindings.
+      const int64_t a = m.plan.blocks[k].first, b = m.plan.blocks[k].second;
       double* xx = acc.xx[k].data();
       if (a == b)
         products.emplace_back([=] {
