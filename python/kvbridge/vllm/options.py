@@ -10,7 +10,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from kvbridge import _core, specs
+from kvbridge import _args, _core, specs
 
 #: Keys of the connector itself (every other key must be a StoreOptions field).
 CONNECTOR_KEYS = ("namespace", "adapters", "min_quality", "write_back", "model_name", "version",
@@ -94,15 +94,23 @@ def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> Connec
     for key in ("model_name", "version", "tokenizer"):
         if extra.get(key) is not None and not isinstance(extra[key], str):
             raise ValueError(f"KVBridgeConnector: {key} must be a string, got {extra[key]!r}")
+    # The package's own argument checks, so "0.5" or "false" are refused rather than coerced.
+    min_quality = extra.get("min_quality", 0.5)
     try:
-        min_quality = float(extra.get("min_quality", 0.5))
-    except (TypeError, ValueError):
-        raise ValueError("KVBridgeConnector: min_quality must be a number, got "
-                         f"{extra.get('min_quality')!r}") from None
+        min_quality = _args.number("min_quality", min_quality)
+    except TypeError:
+        raise ValueError(f"KVBridgeConnector: min_quality must be a number, got "
+                         f"{min_quality!r}") from None
+    write_back = extra.get("write_back", True)
+    try:
+        write_back = _args.flag("write_back", write_back)
+    except TypeError:
+        raise ValueError(f"KVBridgeConnector: write_back must be a bool, got "
+                         f"{write_back!r}") from None
     return ConnectorOptions(
         store=tuple(sorted(store.items())), namespace=namespace,
         adapters=tuple(os.path.abspath(os.fspath(p)) for p in adapters),
-        min_quality=min_quality, write_back=bool(extra.get("write_back", True)),
+        min_quality=min_quality, write_back=write_back,
         model_name=extra.get("model_name"), version=extra.get("version"),
         tokenizer=extra.get("tokenizer"), layout=layout, chunk_tokens=int(store["chunk_tokens"]))
 
