@@ -79,10 +79,13 @@ class LinearAdapter {
   /// dst: view matching target(), same token count and same device as src; written, never read.
   ///      Must not overlap src. Only the viewed elements are written.
   /// CPU views: computed before the call returns, with float32 arithmetic; the result is rounded
-  /// to the target dtype. Tokens are converted in blocks (at least 64 tokens each) sized so the
-  /// working memory (float32 un-rotated features of every used source layer and one float32
-  /// target plane, per block) is at most the output's size in dst's dtype, unless a 64-token
-  /// block alone needs more; no float32 copy of the whole source is made.
+  /// to the target dtype. Tokens are converted in blocks, one per OpenMP thread at a time, each
+  /// with single-threaded GEMMs (an input shorter than two 128-token blocks is one block whose
+  /// GEMMs use the threads). A block's working memory is float32: one source layer's un-rotated
+  /// keys and values, one target layer's key and value planes and the RoPE tables, so it does
+  /// not grow with the number of layers; blocks are sized so the working memory of all blocks in
+  /// flight is at most 90% of the output's size in dst's dtype, unless 128-token blocks alone
+  /// need more. No float32 copy of the whole source is made.
   /// Non-finite inputs propagate to the outputs of the tokens that contain them (nothing else is
   /// affected). Throws InvalidArgument for views that do not match or are on different devices.
   void convert(const KVView& src, int64_t start_pos, const KVView& dst) const;
@@ -124,7 +127,8 @@ class LinearAdapter {
 
   /// float64 reference of convert (for tests and validation): same contract for CPU views,
   /// computed in double and rounded once at the end, all tokens in one block (its working
-  /// memory is float64 features of the whole input). Throws InvalidArgument for CUDA views.
+  /// memory is float64: one source layer's features and one target layer's planes for the whole
+  /// input). Throws InvalidArgument for CUDA views.
   void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst) const;
 
   /// 32 lowercase hex digits identifying this adapter's content: the checksum save() writes

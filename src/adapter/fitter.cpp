@@ -12,6 +12,7 @@
 #include "src/adapter/adapter_impl.h"
 #include "src/adapter/lapack.h"
 #include "src/adapter/numeric.h"
+#include "src/adapter/parallel.h"
 
 namespace kvbridge {
 
@@ -55,24 +56,6 @@ struct MapFit {
   MatD weights;  // [F, O], only when solved
   VecD bias;     // [O]
 };
-
-// Runs body(i) for i in [0, n) on the OpenMP threads, one call per thread at a time (their BLAS
-// calls then run single-threaded: parallelism across independent products, which keeps every
-// core busy without fine-grained synchronisation). Rethrows the first exception afterwards.
-template <class Body>
-void parallel_for(int64_t n, const Body& body) {
-  std::exception_ptr error;
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
-  for (int64_t i = 0; i < n; ++i) {
-    try {
-      body(i);
-    } catch (...) {
-#pragma omp critical(kvbridge_fitter_error)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
-}
 
 // What ridge fits of any output need from one feature set: the eigenbasis of the training
 // covariance and the held-out covariance in that basis. One eigendecomposition serves every
@@ -462,12 +445,12 @@ struct AdapterFitter::Impl {
     if (sets.size() == 1) {  // one factorisation on every thread, then its users in parallel
       const RidgeBasis b = basis(sets[0]->first);
       const auto& u = sets[0]->second;
-      parallel_for(static_cast<int64_t>(u.size()), [&](int64_t i) {
+      detail::parallel_for(static_cast<int64_t>(u.size()), [&](int64_t i) {
         consider(sets[0]->first, b, u[static_cast<size_t>(i)].first,
                  u[static_cast<size_t>(i)].second);
       });
     } else {
-      parallel_for(static_cast<int64_t>(sets.size()), [&](int64_t i) {
+      detail::parallel_for(static_cast<int64_t>(sets.size()), [&](int64_t i) {
         const auto& [S, u] = *sets[static_cast<size_t>(i)];
         const RidgeBasis b = basis(S);
         for (const auto& [j, rank] : u) consider(S, b, j, rank);
@@ -529,7 +512,7 @@ struct AdapterFitter::Impl {
     const int64_t Ls = source.num_layers, Lt = target.num_layers;
     std::vector<std::vector<double>> score(static_cast<size_t>(Lt),
                                            std::vector<double>(static_cast<size_t>(Ls)));
-    parallel_for(Ls, [&](int64_t l) {
+    detail::parallel_for(Ls, [&](int64_t l) {
       const size_t ll = static_cast<size_t>(l);
       const RidgeBasis b = make_basis(
           static_cast<double>(probe_train.n), probe_train.sx[ll],
@@ -751,7 +734,7 @@ void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos)
       }
     }
   }
-  parallel_for(static_cast<int64_t>(products.size()),
+  detail::parallel_for(static_cast<int64_t>(products.size()),
                [&](int64_t i) { products[static_cast<size_t>(i)](); });
 }
 

@@ -1,6 +1,8 @@
 #include <Eigen/Dense>
+#include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <type_traits>
 #include <vector>
 
@@ -10,6 +12,7 @@
 #include "src/adapter/convert_cuda.h"
 #include "src/adapter/gemm.h"
 #include "src/adapter/numeric.h"
+#include "src/adapter/parallel.h"
 
 namespace kvbridge {
 
@@ -17,31 +20,116 @@ namespace {
 template <typename T>
 using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-// Tokens the float32 path converts together. Its working memory (the un-rotated features of
-// every source layer the adapter uses, and one target plane) is held for one block at a time,
-// so a convert needs at most about its output's size on top of the output: blocks are as long
-// as that allows, and at least kMinBlockTokens (below that the GEMMs lose speed), unless the
-// input is shorter. The float64 reference converts in one block (it is the check of blocking).
-constexpr int64_t kMinBlockTokens = 64;
+// Per-call working memory of the conversion, one per thread: one source layer's un-rotated
+// features and one target layer's key and value planes for a block of tokens, and the RoPE
+// tables of both models for it.
+template <typename T>
+struct Workspace {
+  RowMat<T> x;
+  std::array<RowMat<T>, 2> y;
+  std::vector<float> buf;  // double: gathered and stored through float32
+  detail::RopeTable<T> source_angles, target_angles;
+};
 
-int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dtype) {
-  int64_t used = 0;
-  std::vector<char> seen(static_cast<size_t>(a.source.num_layers), 0);
-  for (const auto& layers : a.layers)
-    for (int64_t l : layers)
-      if (!seen[static_cast<size_t>(l)]++) ++used;
+// Tokens per block of the float32 path. Blocks are converted in parallel, one per OpenMP thread
+// at a time, each with single-threaded GEMMs: the threads need no synchronisation inside a
+// block, which keeps the GEMMs at their speed on a busy machine where a thread waiting at a
+// barrier can lose its core for a whole time slice. The working memory of all blocks in flight
+// together is kept within 90% of the output's size in its dtype (the GEMMs' packing buffers and
+// the allocator take a few percent on top), and it does not grow with the number of layers.
+// Blocks are at least kMinBlockTokens long (below that the GEMMs lose speed) unless the input is
+// shorter, there are enough of them to keep every thread busy, in whole rounds of the threads,
+// and of equal length. The float64 reference converts in one block (it is the check of
+// blocking).
+constexpr int64_t kMinBlockTokens = 128;
+
+int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dtype,
+                     int64_t threads) {
   const int64_t per_token_work =
-      static_cast<int64_t>(sizeof(float)) * (used * 2 * a.source_width() + a.target_width());
+      static_cast<int64_t>(sizeof(float)) *
+      (2 * a.source_width() + 2 * a.target_width() + a.source.head_dim + a.target.head_dim);
   const int64_t per_token_output = a.target.num_layers * 2 * a.target_width() *
                                    static_cast<int64_t>(dtype_size(dst_dtype));
-  // 90%: the GEMM's packing buffers and the allocator take a few percent on top.
+  // Tokens of working memory that the output's size allows, all threads together.
   const int64_t fit = tokens * per_token_output * 9 / (10 * std::max<int64_t>(per_token_work, 1));
-  return std::min(tokens, std::max(kMinBlockTokens, fit));
+  const int64_t longest = std::max(kMinBlockTokens, fit / threads);
+  int64_t blocks = (tokens + longest - 1) / longest;
+  blocks = std::max(blocks, std::min(threads, tokens / kMinBlockTokens));
+  if (blocks > threads) blocks = (blocks + threads - 1) / threads * threads;
+  return (tokens + blocks - 1) / blocks;
 }
 
-// The conversion in arithmetic type T, token block by token block: un-rotate each used source
-// layer of the block once, then per target layer sum the GEMMs of its source layers, add the
-// bias, rotate and store.
+// Converts tokens [b0, b0 + n) in arithmetic type T: per target layer, for each of its source
+// layers, gather and un-rotate that layer's keys and values and add their GEMMs into the key and
+// value planes (started at the bias); then rotate the keys and store both.
+template <typename T>
+void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
+                   const KVView& dst, int64_t b0, int64_t n, Workspace<T>& w) {
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  const int64_t sw = a.source_width(), tw = a.target_width();
+  const bool rope = a.report.rope_aware;
+  if (w.x.rows() < n) {
+    w.x.resize(n, 2 * sw);
+    for (auto& y : w.y) y.resize(n, tw);
+    if (!kFloat) w.buf.resize(static_cast<size_t>(n * 2 * std::max(sw, tw)));
+  }
+  const KVView s = src.slice_tokens(b0, n);
+  const KVView d = dst.slice_tokens(b0, n);
+  if (rope) {
+    detail::rope_table(a.source_inv_freq, start_pos + b0, n, w.source_angles);
+    detail::rope_table(a.target_inv_freq, start_pos + b0, n, w.target_angles);
+  }
+  for (int64_t j = 0; j < a.target.num_layers; ++j) {
+    const auto& layers = a.layers[static_cast<size_t>(j)];
+    for (int kind = 0; kind < 2; ++kind) {
+      const auto& b = a.bias[static_cast<size_t>(j)][static_cast<size_t>(kind)];
+      w.y[static_cast<size_t>(kind)].topRows(n).rowwise() =
+          Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>>(b.data(), tw)
+              .template cast<T>();
+    }
+    for (size_t si = 0; si < layers.size(); ++si) {
+      const int64_t l = layers[si];
+      float* gathered = w.buf.data();
+      if constexpr (kFloat) gathered = w.x.data();
+      for (int kind = 0; kind < 2; ++kind)
+        detail::load_plane(s.plane(l, static_cast<KVView::Kind>(kind)), s.dtype(), n,
+                           a.source.num_kv_heads, a.source.head_dim, gathered + kind * sw, 2 * sw);
+      if constexpr (!kFloat)
+        w.x.topRows(n) = Eigen::Map<RowMat<float>>(w.buf.data(), n, 2 * sw).cast<T>();
+      if (rope)
+        detail::apply_rope(a.source, w.source_angles, /*inverse=*/true, a.source.num_kv_heads,
+                           w.x.data(), 2 * sw);
+      for (int kind = 0; kind < 2; ++kind) {
+        const float* ws = a.weights[static_cast<size_t>(j)][static_cast<size_t>(kind)].data() +
+                          static_cast<int64_t>(si) * 2 * sw * tw;
+        RowMat<T>& y = w.y[static_cast<size_t>(kind)];
+        if constexpr (kFloat) {
+          detail::gemm_f32(n, tw, 2 * sw, w.x.data(), 2 * sw, ws, tw, y.data(), tw,
+                           /*accumulate=*/true);
+        } else {
+          y.topRows(n).noalias() +=
+              w.x.topRows(n) * Eigen::Map<const RowMat<float>>(ws, 2 * sw, tw).cast<T>();
+        }
+      }
+    }
+    if (rope)
+      detail::apply_rope(a.target, w.target_angles, /*inverse=*/false, a.target.num_kv_heads,
+                         w.y[0].data(), tw);
+    for (int kind = 0; kind < 2; ++kind) {
+      const float* plane = nullptr;
+      if constexpr (kFloat) {
+        plane = w.y[static_cast<size_t>(kind)].data();
+      } else {
+        Eigen::Map<RowMat<float>>(w.buf.data(), n, tw) =
+            w.y[static_cast<size_t>(kind)].topRows(n).template cast<float>();
+        plane = w.buf.data();
+      }
+      detail::store_plane(plane, tw, d.dtype(), n, a.target.num_kv_heads, a.target.head_dim,
+                          d.plane(j, static_cast<KVView::Kind>(kind)));
+    }
+  }
+}
+
 template <typename T>
 void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
                   const KVView& dst) {
@@ -49,74 +137,18 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   const int64_t T_ = src.tokens();
   detail::check_positions(start_pos, T_);
   if (T_ == 0) return;
-  const int64_t sw = a.source_width(), tw = a.target_width();
-  const bool rope = a.report.rope_aware;
   constexpr bool kFloat = std::is_same_v<T, float>;
-  const int64_t B = kFloat ? block_tokens(a, T_, dst.dtype()) : T_;
-
-  std::vector<RowMat<T>> features(static_cast<size_t>(a.source.num_layers));
-  std::vector<char> used(static_cast<size_t>(a.source.num_layers), 0);
-  for (const auto& layers : a.layers)
-    for (int64_t l : layers) used[static_cast<size_t>(l)] = 1;
-  std::vector<float> buf(kFloat ? 0 : static_cast<size_t>(B * 2 * sw));
-  RowMat<T> y(B, tw);
-  RowMat<float> out(kFloat ? 0 : B, kFloat ? 0 : tw);
-
-  for (int64_t b0 = 0; b0 < T_; b0 += B) {
-    const int64_t n = std::min(B, T_ - b0);
-    const int64_t pos = start_pos + b0;
-    const KVView s = src.slice_tokens(b0, n);
-    const KVView d = dst.slice_tokens(b0, n);
-    for (int64_t l = 0; l < a.source.num_layers; ++l) {
-      if (!used[static_cast<size_t>(l)]) continue;
-      RowMat<T>& x = features[static_cast<size_t>(l)];
-      if (x.rows() != n) x.resize(n, 2 * sw);
-      // float: gather straight into the feature matrix; double: through a float buffer.
-      float* gathered = buf.data();
-      if constexpr (kFloat) gathered = x.data();
-      for (int kind = 0; kind < 2; ++kind)
-        detail::load_plane(s.plane(l, static_cast<KVView::Kind>(kind)), s.dtype(), n,
-                           a.source.num_kv_heads, a.source.head_dim, gathered + kind * sw,
-                           2 * sw);
-      if constexpr (!kFloat) x = Eigen::Map<RowMat<float>>(buf.data(), n, 2 * sw).cast<T>();
-      if (rope)
-        detail::apply_rope(a.source, a.source_inv_freq, pos, /*inverse=*/true, n,
-                           a.source.num_kv_heads, x.data(), 2 * sw);
-    }
-    auto yb = y.topRows(n);
-    for (int64_t j = 0; j < a.target.num_layers; ++j) {
-      const auto& layers = a.layers[static_cast<size_t>(j)];
-      for (int kind = 0; kind < 2; ++kind) {
-        const auto& w = a.weights[static_cast<size_t>(j)][static_cast<size_t>(kind)];
-        const auto& b = a.bias[static_cast<size_t>(j)][static_cast<size_t>(kind)];
-        yb.rowwise() = Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>>(b.data(), tw)
-                           .template cast<T>();
-        for (size_t si = 0; si < layers.size(); ++si) {
-          const Eigen::Map<const RowMat<float>> ws(
-              w.data() + static_cast<int64_t>(si) * 2 * sw * tw, 2 * sw, tw);
-          const RowMat<T>& x = features[static_cast<size_t>(layers[si])];
-          if constexpr (kFloat) {
-            detail::gemm_f32(n, tw, 2 * sw, x.data(), 2 * sw, ws.data(), tw, y.data(), tw,
-                             /*accumulate=*/true);
-          } else {
-            yb.noalias() += x * ws.template cast<T>();
-          }
-        }
-        if (rope && kind == 0)
-          detail::apply_rope(a.target, a.target_inv_freq, pos, /*inverse=*/false, n,
-                             a.target.num_kv_heads, y.data(), tw);
-        const float* plane = nullptr;
-        if constexpr (kFloat) {
-          plane = y.data();
-        } else {
-          out.topRows(n) = yb.template cast<float>();
-          plane = out.data();
-        }
-        detail::store_plane(plane, tw, d.dtype(), n, a.target.num_kv_heads, a.target.head_dim,
-                            d.plane(j, static_cast<KVView::Kind>(kind)));
-      }
-    }
-  }
+  const int64_t threads = kFloat ? std::max(1, omp_get_max_threads()) : 1;
+  const int64_t B = kFloat ? block_tokens(a, T_, dst.dtype(), threads) : T_;
+  const int64_t blocks = (T_ + B - 1) / B;
+  // One workspace per thread (empty until its first block); a single block runs on the calling
+  // thread, whose plane passes and GEMMs are then threaded themselves.
+  std::vector<Workspace<T>> work(static_cast<size_t>(blocks > 1 ? threads : 1));
+  detail::parallel_for(blocks, [&](int64_t i) {
+    const int64_t b0 = i * B;
+    const size_t slot = blocks > 1 ? static_cast<size_t>(omp_get_thread_num()) : 0;
+    convert_block(a, src, start_pos, dst, b0, std::min(B, T_ - b0), work[slot]);
+  });
 }
 }  // namespace
 

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -160,44 +161,90 @@ std::vector<double> rope_inv_freq(const ModelSpec& spec) {
 
 namespace {
 template <typename T>
-void rope_impl(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-               bool inverse, int64_t tokens, int64_t heads, T* x, int64_t ld) {
-  const int64_t dim = spec.head_dim, half = dim / 2;
-  const bool interleaved = spec.rope_style == RopeStyle::kInterleaved;
-#pragma omp parallel if (tokens * heads * dim >= kParallelElements)
-  {
-  std::vector<T> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
-#pragma omp for schedule(static)
+void fill_rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
+                     RopeTable<T>& table) {
+  const int64_t half = static_cast<int64_t>(inv_freq.size());
+  table.tokens = tokens;
+  table.half = half;
+  table.cos.resize(static_cast<size_t>(tokens * half));
+  table.sin.resize(static_cast<size_t>(tokens * half));
+#pragma omp parallel for schedule(static) if (tokens * half >= kParallelElements / 8)
   for (int64_t t = 0; t < tokens; ++t) {
     const double pos = static_cast<double>(start_pos + t);
     for (int64_t i = 0; i < half; ++i) {
       const double angle = pos * inv_freq[static_cast<size_t>(i)];  // angles in float64
-      cs[static_cast<size_t>(i)] = static_cast<T>(std::cos(angle));
-      sn[static_cast<size_t>(i)] = static_cast<T>(inverse ? -std::sin(angle) : std::sin(angle));
+      table.cos[static_cast<size_t>(t * half + i)] = static_cast<T>(std::cos(angle));
+      table.sin[static_cast<size_t>(t * half + i)] = static_cast<T>(std::sin(angle));
     }
+  }
+}
+
+template <typename T>
+void rope_impl(const ModelSpec& spec, const RopeTable<T>& table, bool inverse, int64_t heads,
+               T* x, int64_t ld) {
+  const int64_t dim = spec.head_dim, half = dim / 2, tokens = table.tokens;
+  KVB_CHECK(table.half == half, "RoPE table of " << table.half << " angles for head_dim " << dim);
+  const bool interleaved = spec.rope_style == RopeStyle::kInterleaved;
+  const T sign = inverse ? T(-1) : T(1);
+#pragma omp parallel for schedule(static) if (tokens * heads * dim >= kParallelElements)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* cs = table.cos.data() + t * half;
+    const T* sn = table.sin.data() + t * half;
     for (int64_t h = 0; h < heads; ++h) {
       T* v = x + t * ld + h * dim;
       for (int64_t i = 0; i < half; ++i) {
         T& a = interleaved ? v[2 * i] : v[i];
         T& b = interleaved ? v[2 * i + 1] : v[i + half];
-        const T c = cs[static_cast<size_t>(i)], s = sn[static_cast<size_t>(i)];
+        const T c = cs[i], s = sign * sn[i];
         const T a0 = a, b0 = b;
         a = a0 * c - b0 * s;
         b = b0 * c + a0 * s;
       }
     }
   }
+}
+
+// Positions in blocks of this many tokens, so the table stays small.
+constexpr int64_t kRopeBlockTokens = 1024;
+
+template <typename T>
+void rope_positions(const ModelSpec& spec, const std::vector<double>& inv_freq,
+                    int64_t start_pos, bool inverse, int64_t tokens, int64_t heads, T* x,
+                    int64_t ld) {
+  RopeTable<T> table;
+  for (int64_t t0 = 0; t0 < tokens; t0 += kRopeBlockTokens) {
+    const int64_t n = std::min(kRopeBlockTokens, tokens - t0);
+    fill_rope_table(inv_freq, start_pos + t0, n, table);
+    rope_impl(spec, table, inverse, heads, x + t0 * ld, ld);
   }
 }
 }  // namespace
 
+void rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
+                RopeTable<float>& table) {
+  fill_rope_table(inv_freq, start_pos, tokens, table);
+}
+void rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
+                RopeTable<double>& table) {
+  fill_rope_table(inv_freq, start_pos, tokens, table);
+}
+
+void apply_rope(const ModelSpec& spec, const RopeTable<float>& table, bool inverse,
+                int64_t heads, float* x, int64_t ld) {
+  rope_impl(spec, table, inverse, heads, x, ld);
+}
+void apply_rope(const ModelSpec& spec, const RopeTable<double>& table, bool inverse,
+                int64_t heads, double* x, int64_t ld) {
+  rope_impl(spec, table, inverse, heads, x, ld);
+}
+
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
                 bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld) {
-  rope_impl(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld);
+  rope_positions(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld);
 }
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
                 bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld) {
-  rope_impl(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld);
+  rope_positions(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld);
 }
 
 }  // namespace kvbridge::detail

@@ -39,8 +39,28 @@ inline void check_positions(int64_t start_pos, int64_t tokens) {
                          << " tokens passes the largest position 2^53");
 }
 
-/// Rotates (inverse = false) or un-rotates (inverse = true) keys in place: rows of `x` are tokens
-/// at absolute positions start_pos + t, each `heads` heads of `spec.head_dim`, row stride ld.
+/// cos and sin of the RoPE angles of `tokens` consecutive positions, computed in float64 and
+/// rounded to T: row t (position start_pos + t) holds head_dim / 2 of each, row-major.
+template <typename T>
+struct RopeTable {
+  int64_t tokens = 0, half = 0;
+  std::vector<T> cos, sin;
+};
+/// Fills `table` for positions start_pos .. start_pos + tokens - 1 (reusing its storage).
+void rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
+                RopeTable<float>& table);
+void rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
+                RopeTable<double>& table);
+
+/// Rotates (inverse = false) or un-rotates (inverse = true) keys in place with the angles of
+/// `table`: rows of `x` are its tokens (table.tokens of them), each `heads` heads of
+/// `spec.head_dim` (= 2 * table.half), row stride ld.
+void apply_rope(const ModelSpec& spec, const RopeTable<float>& table, bool inverse,
+                int64_t heads, float* x, int64_t ld);
+void apply_rope(const ModelSpec& spec, const RopeTable<double>& table, bool inverse,
+                int64_t heads, double* x, int64_t ld);
+
+/// As above for tokens at absolute positions start_pos + t, the angles computed on the way.
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
                 bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld);
 /// float64 version, the reference for tests.
