@@ -47,7 +47,8 @@ forward of the last prompt token on that cache, and its argmax. The ratio is
 median(own) / median(bridge) over the repeats, after one untimed warm-up of each path. Both
 paths run with the same threads (``--threads``, default 1; see set_threads).
 
-Levers (``--tail-tokens R ...``, ``--exact-layers K ...``): every combination (r, k) is scored
+Levers (``--tail-tokens R ...``, ``--exact-layers K ...``; without them, (0, 0) and the
+testbed's default ``testbed.BRIDGE_OPTIONS``): every combination (r, k) is scored
 on the same held-out windows with the best variant's adapter, and timed like the variants. With
 tail recompute r (``Bridge(recompute_tail=r)``) the converted cache covers ``w[0..P-1-r)`` and the
 target runs ``w[P-1-r..W-1)`` on it; with exact layers k (``Bridge(exact_layers=k)``, the target
@@ -256,10 +257,13 @@ def lever_name(tail: int, exact: int) -> str:
     return f"tail {tail}, exact {exact}"
 
 
-def lever_grid(config: EvalConfig) -> List[Tuple[int, int]]:
-    """(recompute_tail, exact_layers) combinations the config asks for; [] for none."""
+def lever_grid(config: EvalConfig, data: Any = None) -> List[Tuple[int, int]]:
+    """(recompute_tail, exact_layers) combinations the config asks for; without any, none
+    (0, 0) and the data's default Bridge options (testbed.BRIDGE_OPTIONS), if it has some."""
     if not config.tail_tokens and not config.exact_layers:
-        return []
+        opts = getattr(testbed_module(data), "BRIDGE_OPTIONS", None) or {}
+        default = (int(opts.get("recompute_tail", 0)), int(opts.get("exact_layers", 0)))
+        return [(0, 0), default] if default != (0, 0) else []
     return [(r, k) for r in (config.tail_tokens or [0]) for k in (config.exact_layers or [0])]
 
 
@@ -495,7 +499,7 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
     ttft = measure_ttft(pair, adapters, [ttft_texts[0][:n] for n in lengths],
                         repeats=config.ttft_repeats, chunk_tokens=config.chunk_tokens)
     timings["ttft_seconds"] = time.perf_counter() - t2
-    levers = lever_grid(config)
+    levers = lever_grid(config, data)
     lever_results: Dict[str, Any] = {}
     if levers:
         t3 = time.perf_counter()
