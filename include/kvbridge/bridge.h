@@ -71,7 +71,7 @@ struct BridgeOptions {
   /// Floor on an adapter's rolling top-1 agreement from record_check(); in [0, 1], or -infinity
   /// to never disable. Agreement is the share of compared positions where the target's greedy
   /// next token after the converted cache equals the one after its own prefill.
-  double min_agreement = 0.9;
+  double min_agreement = 0.8;
   /// Checks (record_check calls) per adapter kept for the rolling figures; >= 1.
   int64_t check_window = 32;
   /// Checks an adapter must have in its window before the floor applies; in [1, check_window].

@@ -177,7 +177,7 @@ class BridgeLoad:
 class Bridge:
     def __init__(self, store: KVStore, min_quality: float = 0.5,
                  write_back: bool = True, recompute_tail: int = 0,
-                 min_agreement: float = 0.9, check_window: int = 32,
+                 min_agreement: float = 0.8, check_window: int = 32,
                  min_checks: int = 8) -> None: ...
     @property
     def min_quality(self) -> float: ...

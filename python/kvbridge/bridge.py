@@ -64,13 +64,13 @@ class Bridge:
         adapter whose pooled top-1 agreement over its last `check_window` quality checks is
         below `min_agreement`, once it has `min_checks` of them, is disabled (loads stop
         converting with it) and what it wrote back is purged; enable_adapter() re-enables it.
-        add_adapter() with the models probes an adapter against the same floor. Defaults 0.9,
+        add_adapter() with the models probes an adapter against the same floor. Defaults 0.8,
         32, 8; min_agreement=float("-inf") never disables.
     Thread-safe.
     """
 
     def __init__(self, store: KVStore, min_quality: float = 0.5, write_back: bool = True, *,
-                 recompute_tail: int = 0, exact_layers: int = 0, min_agreement: float = 0.9,
+                 recompute_tail: int = 0, exact_layers: int = 0, min_agreement: float = 0.8,
                  check_window: int = 32, min_checks: int = 8):
         if not isinstance(store, KVStore):
             raise TypeError(f"store: expected a kvbridge.KVStore, got {type(store).__name__}")

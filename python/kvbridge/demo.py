@@ -125,6 +125,7 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
         "same_generation": sum(r["own_tokens"] == r["bridge_tokens"] for r in rows),
         "same_first_token": sum(r["own_tokens"][0] == r["bridge_tokens"][0] for r in rows),
         "reload_is_native": (not again.converted) and again.tokens > 0,
+        "reload_native_tokens": int(again.native_tokens), "reload_tokens": int(again.tokens),
         "adapter_quality": kvbridge.Bridge.quality(adapter),
         "bridge_stats": bridge.stats(),
     }
@@ -160,8 +161,9 @@ def format_report(report: Dict[str, Any], pair: Any, shown: int = 3) -> str:
         lines.append("kept / agreement: no prompt was loaded in full (see the table)")
     lines.append(f"same first token: {report['same_first_token']} of {report['prompts']}; "
                  f"identical greedy continuations: {report['same_generation']} of "
-                 f"{report['prompts']}; second load of a prompt is a native hit: "
-                 f"{'yes' if report['reload_is_native'] else 'no'}")
+                 f"{report['prompts']}; second load of a prompt: "
+                 f"{report['reload_native_tokens']} of {report['reload_tokens']} tokens from the "
+                 f"target's own (written-back) entries")
     lines.append(f"bridge: {st['loads']} loads, {st['converted_hits']} converted, "
                  f"{st['native_hits']} native, {st['misses']} misses, {st['converted_tokens']} "
                  f"tokens converted in {1e3 * st['convert_seconds']:.1f} ms, lookups "
