@@ -2,6 +2,12 @@
 """Fits the shipped testbed-a -> testbed-b adapter and writes it into the package.
 
     python scripts/fit_testbed_adapter.py [--windows N] [--variant rope_auto|rope_all|naive]
+        [--refine-epochs E] [--refine-windows N] [--refine-lr LR]
+
+With --refine-epochs E > 0 the closed-form fit is then refined end to end (kvbridge.refine: KL
+to testbed-b's own next-token distributions on training windows the fit did not use, seeded,
+held-out early stop) and the refined adapter is what is written. One thread (the default) makes
+both steps deterministic.
 
 Run it whenever the testbed weights change: the adapter's specs carry the weights' version
 fingerprint, and kvbridge.eval.load_adapter (used by the demo and `kvbridge eval --adapter`)
@@ -11,6 +17,7 @@ import argparse
 import pathlib
 
 from kvbridge import eval as kv_eval
+from kvbridge import refine
 from kvbridge import testbed
 
 
@@ -26,6 +33,12 @@ def main():
     p.add_argument("--out", default=str(SHIPPED),
                    help="where to write it (default: the source tree's shipped adapter; "
                    "reinstall the package afterwards)")
+    p.add_argument("--refine-epochs", type=int, default=0,
+                   help="epochs of end-to-end refinement after the fit (0: none)")
+    p.add_argument("--refine-windows", type=int, default=refine.RefineConfig.train_windows,
+                   help="training windows for the refinement (after the fit's windows)")
+    p.add_argument("--refine-lr", type=float, default=refine.RefineConfig.lr)
+    p.add_argument("--seed", type=int, default=0, help="refinement seed")
     p.add_argument("--threads", type=int, default=1,
                    help="torch and native threads (see kvbridge.eval.set_threads); 0: default")
     args = p.parse_args()
@@ -33,6 +46,13 @@ def main():
     kv_eval.quiet_model_loading()
     pair = testbed.load_pair()
     adapter = kv_eval.fit_default(pair, args.out, windows=args.windows, variant=args.variant)
+    if args.refine_epochs > 0:
+        config = refine.RefineConfig(train_windows=args.refine_windows, epochs=args.refine_epochs,
+                                     lr=args.refine_lr, seed=args.seed, skip_windows=args.windows)
+        result = refine.refine(pair, adapter, args.out, args.out, config)
+        adapter = result.adapter
+        print(f"refined: validation KL by epoch "
+              f"{[round(h['val_kl'], 6) for h in result.history]}, kept epoch {result.best_epoch}")
     r2 = kv_eval.layer_r2(adapter)
     print(f"wrote {args.out}: {adapter.source.name} {adapter.source.version} -> "
           f"{adapter.target.name} {adapter.target.version}, {r2['train_tokens']} training "

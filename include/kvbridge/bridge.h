@@ -19,10 +19,25 @@
 //    n - 1 tokens (a chunk-aligned prefix covering the whole prompt is trimmed by one token).
 //    Prompts of fewer than 2 tokens are misses.
 //
+//  - BridgeOptions::recompute_tail = r > 0 leaves r more prompt tokens to the target: a converted
+//    load holds at most n - 1 - r tokens (only tokens [p_T, min(p_S, n - 1 - r)) are converted
+//    and written back), so the target's own forward covers the prompt's last r + 1 tokens over the
+//    converted prefix. A converted candidate must still be strictly longer than the native one
+//    after that cut. Native-only loads are not cut (their KV is the target's own).
+//
 // Quality of an adapter: the minimum held-out R² over every target layer's key and value maps in
 // its FitReport (one badly mapped layer is enough to spoil attention, so the mean would hide it).
 // Adapters under BridgeOptions::min_quality may be registered but are never used; each load that
 // passes one over counts it in BridgeStats::adapters_skipped_quality.
+//
+// Quality checks and fallback: callers that can run the target's own prefill of a loaded prompt
+// (kvbridge.monitor in Python) compare it with the converted cache and report each comparison
+// through record_check(). Per adapter, the bridge keeps the last BridgeOptions::check_window
+// checks; once it holds at least min_checks of them and their pooled top-1 agreement is below
+// min_agreement, the adapter is disabled: loads skip it (counted in adapters_skipped_disabled) and
+// fall back to the target's own cache or a miss, so the target prefills itself. Disabling purges
+// what the adapter wrote back (invalidate_adapter). enable_adapter() re-enables it with an empty
+// window. The state lives here, so every binding and the vLLM connector see one state.
 //
 // Thread safety: every method may be called concurrently. The adapter registry is guarded by a
 // mutex held only to copy the candidate list; lookups, copies and conversions run outside it.
@@ -50,6 +65,43 @@ struct BridgeOptions {
   double min_quality = 0.5;
   /// Write a converted prefix back into the store as the target's own entry.
   bool write_back = true;
+  /// Prompt tokens before the last one that a converted load leaves for the target to compute
+  /// (see the policy above); >= 0. 0 converts everything but the last prompt token.
+  int64_t recompute_tail = 0;
+  /// Floor on an adapter's rolling top-1 agreement from record_check(); in [0, 1], or -infinity
+  /// to never disable. Agreement is the share of compared positions where the target's greedy
+  /// next token after the converted cache equals the one after its own prefill.
+  double min_agreement = 0.8;
+  /// Checks (record_check calls) per adapter kept for the rolling figures; >= 1.
+  int64_t check_window = 32;
+  /// Checks an adapter must have in its window before the floor applies; in [1, check_window].
+  /// A broken adapter is disabled by its min_checks-th check at the latest.
+  int64_t min_checks = 8;
+};
+
+/// One comparison of a converted cache with the target's own prefill at a prompt's last
+/// positions. Sums, so checks pool by position.
+struct QualityCheck {
+  int64_t positions = 0;      ///< positions compared (> 0)
+  int64_t agreed = 0;         ///< of which with equal greedy next tokens (0..positions)
+  double kl_sum = 0;          ///< sum over positions of KL(own || converted), nats (>= 0)
+  int64_t loss_positions = 0; ///< positions whose true next token is known (0..positions)
+  double loss_gap_sum = 0;    ///< sum over those of CE(converted) - CE(own), nats
+};
+
+/// An adapter's monitoring state (Bridge::adapter_health). Rolling figures are pooled over the
+/// checks in the window (NaN when it is empty, or for loss_gap when no position had a loss).
+struct AdapterHealth {
+  std::string adapter;             ///< LinearAdapter::fingerprint()
+  std::string source, target;      ///< model names
+  bool enabled = true;
+  int64_t checks = 0;              ///< record_check calls since registration
+  int64_t window_checks = 0;       ///< checks in the rolling window now
+  int64_t window_positions = 0;    ///< positions they compared
+  double agreement = 0;            ///< agreed / positions over the window
+  double kl = 0;                   ///< mean KL(own || converted) per position over the window
+  double loss_gap = 0;             ///< mean CE gap per position with a loss, over the window
+  int64_t disables = 0;            ///< times disabled by the agreement floor
 };
 
 /// Counters since construction. Times are wall-clock seconds summed over calls.
@@ -69,6 +121,11 @@ struct BridgeStats {
   int64_t adapters_skipped_stale = 0;
   int64_t adapters = 0;                  ///< adapters registered now
   int64_t adapters_below_quality = 0;    ///< of which under min_quality now
+  int64_t adapters_disabled = 0;         ///< of which disabled now (checks or disable_adapter)
+  /// Per load, adapters to the target passed over because they are disabled.
+  int64_t adapters_skipped_disabled = 0;
+  int64_t quality_checks = 0;            ///< record_check calls
+  int64_t quality_disables = 0;          ///< adapters disabled by the agreement floor
   double lookup_seconds = 0;             ///< in KVStore::match and copies out of the store
   double convert_seconds = 0;            ///< in LinearAdapter::convert
 };
@@ -150,6 +207,19 @@ class Bridge {
   /// min held-out R² over every target layer's K and V maps (-infinity for an empty report).
   static double quality(const LinearAdapter& adapter);
 
+  /// Records a quality check of the registered adapter with this fingerprint (see above) and
+  /// returns true when this check disabled it. Throws InvalidArgument for a check out of range
+  /// (positions <= 0, agreed or loss_positions outside [0, positions], a negative or non-finite
+  /// kl_sum, a non-finite loss_gap_sum) and NotFound for an adapter that is not registered.
+  /// Checks of a disabled adapter are counted but change nothing.
+  bool record_check(const std::string& adapter_fingerprint, const QualityCheck& check);
+  /// Disables / re-enables the registered adapter with this fingerprint; false if there is none.
+  /// disable_adapter purges what it wrote back; enable_adapter empties its rolling window.
+  bool disable_adapter(const std::string& adapter_fingerprint);
+  bool enable_adapter(const std::string& adapter_fingerprint);
+  /// Monitoring state of every registered adapter, in registration order.
+  std::vector<AdapterHealth> adapter_health() const;
+
   /// Stores `kv` as `spec`'s cache of `tokens`: KVStore::put with the same contract (a CPU view
   /// matching spec, kv.tokens() == tokens.size). Returns the tokens now cached.
   int64_t save(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
@@ -166,7 +236,12 @@ class Bridge {
   /// kvbridge_bridge_{native,converted,written_back}_tokens_total,
   /// kvbridge_bridge_adapters_skipped_{quality,stale}_total,
   /// kvbridge_bridge_{lookup,convert}_seconds_total
-  /// (counters) and kvbridge_bridge_adapters, kvbridge_bridge_adapters_below_quality (gauges).
+  /// kvbridge_bridge_adapters_skipped_disabled_total, kvbridge_bridge_quality_{checks,disables}_total
+  /// (counters), kvbridge_bridge_adapters, kvbridge_bridge_adapters_below_quality,
+  /// kvbridge_bridge_adapters_disabled (gauges), and per adapter, labelled
+  /// {adapter="<fingerprint>",source="<name>",target="<name>"}: the gauges
+  /// kvbridge_bridge_adapter_{enabled,agreement,kl,loss_gap,window_checks} and the counters
+  /// kvbridge_bridge_adapter_{checks,disables}_total (NaN figures are written as NaN).
   std::string prometheus_text() const;
 
  private:

@@ -17,6 +17,7 @@ from kvbridge._core import version as _version
 from kvbridge.adapter import AdapterFitter, LinearAdapter, fit_adapter
 from kvbridge.bridge import Bridge, Load
 from kvbridge.store import KVStore, Match, prefix_hashes
+from kvbridge import exact, monitor  # after bridge: monitor builds on it
 
 __version__ = _version()
 
@@ -36,6 +37,8 @@ __all__ = [
     "RopeScaling",
     "UnavailableError",
     "cuda_device_count",
+    "exact",
+    "monitor",
     "prefix_hashes",
     "__version__",
 ]

@@ -71,11 +71,13 @@ def greedy(model, prompt_rest: Sequence[int], past, steps: int) -> Dict[str, Any
 
 def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[int]],
         continuation: int, generate: int, chunk_tokens: int = 16,
-        min_quality: float = 0.5) -> Dict[str, Any]:
-    """The demo's measurements (see the module docstring); returns the report dict."""
+        min_quality: float = 0.5,
+        bridge_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The demo's measurements (see the module docstring); returns the report dict.
+    bridge_options: more Bridge keyword arguments (main passes testbed.BRIDGE_OPTIONS)."""
     src, tgt = pair.source, pair.target
     bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 30, chunk_tokens=chunk_tokens),
-                             min_quality=min_quality)
+                             min_quality=min_quality, **(bridge_options or {}))
     bridge.add_adapter(adapter)
     sums = kv_eval.Sums()
     rows: List[Dict[str, Any]] = []
@@ -94,12 +96,14 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
         own = greedy(tgt.model, prompt, None, generate)
 
         # Teacher-forced continuation scores on the loaded cache (needs all but the last
-        # prompt token, which is what a full-chunk load returns).
-        if load.tokens == p - 1:
+        # prompt token, or the recompute_tail before it, which is what a full-chunk load returns).
+        cut = bridge.recompute_tail if load.converted else 0
+        if load.tokens and load.tokens == p - 1 - cut:
             own_kv = kv_eval.prefix_kv(tgt.model, prompt[:-1])
             targets = torch.as_tensor(w[p:], dtype=torch.long)
             logits_own, _ = kv_eval.forward(tgt.model, w[p - 1: -1], own_kv)
-            logits_conv, _ = kv_eval.forward(tgt.model, w[p - 1: -1], load.kv)
+            logits_conv, _ = kv_eval.forward(tgt.model, w[load.tokens: -1], load.kv,
+                                             logits_to_keep=continuation)
             logits_none, _ = kv_eval.forward(tgt.model, [pair.tokenizer.bos_id] + w[p: -1])
             sums.add(logits_own, logits_conv, logits_none, targets)
         rows.append({"prompt_tokens": p, "loaded_tokens": int(load.tokens),
@@ -121,6 +125,7 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
         "same_generation": sum(r["own_tokens"] == r["bridge_tokens"] for r in rows),
         "same_first_token": sum(r["own_tokens"][0] == r["bridge_tokens"][0] for r in rows),
         "reload_is_native": (not again.converted) and again.tokens > 0,
+        "reload_native_tokens": int(again.native_tokens), "reload_tokens": int(again.tokens),
         "adapter_quality": kvbridge.Bridge.quality(adapter),
         "bridge_stats": bridge.stats(),
     }
@@ -156,8 +161,9 @@ def format_report(report: Dict[str, Any], pair: Any, shown: int = 3) -> str:
         lines.append("kept / agreement: no prompt was loaded in full (see the table)")
     lines.append(f"same first token: {report['same_first_token']} of {report['prompts']}; "
                  f"identical greedy continuations: {report['same_generation']} of "
-                 f"{report['prompts']}; second load of a prompt is a native hit: "
-                 f"{'yes' if report['reload_is_native'] else 'no'}")
+                 f"{report['prompts']}; second load of a prompt: "
+                 f"{report['reload_native_tokens']} of {report['reload_tokens']} tokens from the "
+                 f"target's own (written-back) entries")
     lines.append(f"bridge: {st['loads']} loads, {st['converted_hits']} converted, "
                  f"{st['native_hits']} native, {st['misses']} misses, {st['converted_tokens']} "
                  f"tokens converted in {1e3 * st['convert_seconds']:.1f} ms, lookups "
@@ -214,7 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         raise SystemExit("no held-out window of that length")
     with torch.no_grad():
         report = run(pair, got["adapter"], windows, args.continuation_tokens, args.generate,
-                     chunk_tokens=args.chunk_tokens, min_quality=args.min_quality)
+                     chunk_tokens=args.chunk_tokens, min_quality=args.min_quality,
+                     bridge_options=getattr(testbed, "BRIDGE_OPTIONS", None))
     report["adapter"] = {k: v for k, v in got.items() if k != "adapter"}
     report["threads"] = torch.get_num_threads()
     print(format_report(report, pair, args.show))

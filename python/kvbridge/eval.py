@@ -47,6 +47,16 @@ forward of the last prompt token on that cache, and its argmax. The ratio is
 median(own) / median(bridge) over the repeats, after one untimed warm-up of each path. Both
 paths run with the same threads (``--threads``, default 1; see set_threads).
 
+Levers (``--tail-tokens R ...``, ``--exact-layers K ...``; without them, (0, 0) and the
+testbed's default ``testbed.BRIDGE_OPTIONS``): every combination (r, k) is scored
+on the same held-out windows with the best variant's adapter, and timed like the variants. With
+tail recompute r (``Bridge(recompute_tail=r)``) the converted cache covers ``w[0..P-1-r)`` and the
+target runs ``w[P-1-r..W-1)`` on it; with exact layers k (``Bridge(exact_layers=k)``, the target
+model given to ``load``) the first k layers of that cache are the target's own KV of
+``w[0..P-1-r)`` (kvbridge.exact). kept and agreement are defined as above (``L_own`` and
+``L_none`` are the same for every lever); the TTFT path is Bridge.load (with the model) and the
+target's forward of the prompt tokens past the load.
+
 FLOP projection (printed with the measurement): for a Llama-3-8B-sized source and target
 (32 layers, hidden 4096, 32 query heads, 8 KV heads x 128, MLP 14336, vocab 128256), with
 N = 32 * (2*4096*4096 + 2*4096*1024 + 3*4096*14336) matmul parameters per token:
@@ -100,6 +110,8 @@ class EvalConfig:
     chunk_tokens: int = 16          # store chunk size on the TTFT path
     variants: List[str] = field(default_factory=lambda: list(VARIANTS))
     seed: int = 0
+    tail_tokens: List[int] = field(default_factory=list)   # levers: recompute_tail values
+    exact_layers: List[int] = field(default_factory=list)  # levers: exact_layers values
 
 
 # ----------------------------------------------------------------------------- data
@@ -241,6 +253,49 @@ def score_windows(target_model, windows: Sequence[Sequence[int]], continuation: 
     return {name: s.metrics() for name, s in sums.items()}
 
 
+def lever_name(tail: int, exact: int) -> str:
+    return f"tail {tail}, exact {exact}"
+
+
+def lever_grid(config: EvalConfig, data: Any = None) -> List[Tuple[int, int]]:
+    """(recompute_tail, exact_layers) combinations the config asks for; without any, none
+    (0, 0) and the data's default Bridge options (testbed.BRIDGE_OPTIONS), if it has some."""
+    if not config.tail_tokens and not config.exact_layers:
+        opts = getattr(testbed_module(data), "BRIDGE_OPTIONS", None) or {}
+        default = (int(opts.get("recompute_tail", 0)), int(opts.get("exact_layers", 0)))
+        return [(0, 0), default] if default != (0, 0) else []
+    return [(r, k) for r in (config.tail_tokens or [0]) for k in (config.exact_layers or [0])]
+
+
+def score_levers(target_model, windows: Sequence[Sequence[int]], continuation: int, bos_id: int,
+                 source_kv_of, adapter: kvbridge.LinearAdapter,
+                 levers: Sequence[Tuple[int, int]]) -> Dict[str, Dict[str, float]]:
+    """Pooled metrics per (recompute_tail r, exact_layers k) lever (see the module docstring):
+    the source's cache of ``w[0..P-1)`` is converted once per window, each lever cuts it to
+    ``P-1-r`` tokens, replaces its first k layers by the target's own and runs the target on the
+    rest."""
+    from kvbridge.exact import exact_layers
+
+    sums = {lever_name(r, k): Sums() for r, k in levers}
+    for w in windows:
+        p = len(w) - continuation
+        if p - 1 - max(r for r, _ in levers) < 1:
+            raise ValueError(f"window of {len(w)} tokens is too short for {continuation} "
+                             f"continuation tokens and a tail of {max(r for r, _ in levers)}")
+        targets = torch.as_tensor(w[p:], dtype=torch.long)
+        own_kv = prefix_kv(target_model, w[: p - 1])
+        logits_own, _ = forward(target_model, w[p - 1: -1], own_kv)
+        logits_none, _ = forward(target_model, [bos_id] + list(w[p: -1]))
+        conv = adapter.convert(source_kv_of(w[: p - 1]))
+        for r, k in levers:
+            q = p - 1 - r
+            kv = exact_layers(target_model, w[:q],
+                              tuple((key[:, :, :q], value[:, :, :q]) for key, value in conv), k)
+            logits, _ = forward(target_model, w[q: -1], kv, logits_to_keep=continuation)
+            sums[lever_name(r, k)].add(logits_own, logits, logits_none, targets)
+    return {name: s.metrics() for name, s in sums.items()}
+
+
 def layer_r2(adapter: kvbridge.LinearAdapter) -> Dict[str, Any]:
     layers = adapter.report["layers"]
     return {"r2_key": [float(l["r2_key"]) for l in layers],
@@ -310,14 +365,18 @@ def _seconds(fn) -> float:
 @torch.no_grad()
 def measure_ttft(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
                  prompts: Sequence[Sequence[int]], repeats: int = 7,
-                 chunk_tokens: int = 16) -> Dict[str, List[Dict[str, Any]]]:
+                 chunk_tokens: int = 16,
+                 bridge_options: Optional[Dict[str, Dict[str, Any]]] = None
+                 ) -> Dict[str, List[Dict[str, Any]]]:
     """Own-prefill vs Bridge TTFT of the target per prompt and adapter (see the module
-    docstring); one Bridge per adapter, the own-prefill timings shared. Returns rows by name."""
+    docstring); one Bridge per adapter, the own-prefill timings shared. Returns rows by name.
+    bridge_options: per name, more Bridge keyword arguments (recompute_tail, exact_layers)."""
     src, tgt = pair.source, pair.target
     bridges = {}
     for name, adapter in adapters.items():
         store = kvbridge.KVStore(capacity_bytes=1 << 30, chunk_tokens=chunk_tokens)
-        bridges[name] = kvbridge.Bridge(store, min_quality=float("-inf"), write_back=False)
+        bridges[name] = kvbridge.Bridge(store, min_quality=float("-inf"), write_back=False,
+                                        **(bridge_options or {}).get(name, {}))
         bridges[name].add_adapter(adapter)
     rows: Dict[str, List[Dict[str, Any]]] = {name: [] for name in adapters}
     for prompt in prompts:
@@ -332,7 +391,7 @@ def measure_ttft(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
             out["own"] = int(logits[-1].argmax())
 
         def via_bridge(name):
-            load = bridges[name].load(tgt.spec, prompt)
+            load = bridges[name].load(tgt.spec, prompt, model=tgt.model)
             logits, _ = forward(tgt.model, prompt[load.tokens:], load.kv, logits_to_keep=1)
             out[name] = (int(logits[-1].argmax()), load)
 
@@ -440,6 +499,22 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
     ttft = measure_ttft(pair, adapters, [ttft_texts[0][:n] for n in lengths],
                         repeats=config.ttft_repeats, chunk_tokens=config.chunk_tokens)
     timings["ttft_seconds"] = time.perf_counter() - t2
+    levers = lever_grid(config, data)
+    lever_results: Dict[str, Any] = {}
+    if levers:
+        t3 = time.perf_counter()
+        lever_scores = score_levers(pair.target.model, heldout, cont, pair.tokenizer.bos_id,
+                                    lambda ids: prefix_kv(pair.source.model, ids),
+                                    adapters[best], levers)
+        names = {lever_name(r, k): {"recompute_tail": r, "exact_layers": k} for r, k in levers}
+        lever_ttft = measure_ttft(pair, {name: adapters[best] for name in names},
+                                  [ttft_texts[0][:n] for n in lengths],
+                                  repeats=config.ttft_repeats, chunk_tokens=config.chunk_tokens,
+                                  bridge_options=names)
+        lever_results = {"variant": best, "rows": [
+            {"lever": name, **opts, **lever_scores[name], "ttft": lever_ttft[name]}
+            for name, opts in names.items()]}
+        timings["lever_seconds"] = time.perf_counter() - t3
     fitted = mean_source_layers(adapters[best])
     proj_lengths = [1024, 4096, 8192, 32768]
     proj_sizes = sorted({1.0, round(fitted, 2), 8.0, float(LLAMA3_8B["layers"])})
@@ -456,6 +531,7 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
         "best_variant": best,
         "ttft": {"variant": best, "rows": ttft[best], "threads": torch.get_num_threads(),
                  "by_variant": ttft},
+        "levers": lever_results,
         "projection": {"shape": LLAMA3_8B, "fitted_source_layers_per_target": fitted,
                        "by_source_layers": {f"{k:g}": flop_projection(proj_lengths, k)
                                             for k in proj_sizes}},
@@ -556,6 +632,20 @@ def format_table(results: Dict[str, Any]) -> str:
         lines.append(f"| {r['prompt_tokens']} | "
                      + " | ".join(f"{rows[i]['ratio']:.2f}x" for rows in by.values()) + " |")
     lines.append("")
+    lv = results.get("levers") or {}
+    if lv:
+        lengths = [r["prompt_tokens"] for r in lv["rows"][0]["ttft"]]
+        lines.append(f"Levers ({lv['variant']} adapter): tail recompute r (the target computes "
+                     "the prompt's last r + 1 tokens) and exact first layers k:")
+        lines.append("")
+        lines.append("| recompute_tail | exact_layers | kept | agreement | L_conv | "
+                     + " | ".join(f"TTFT ratio {n}" for n in lengths) + " |")
+        lines.append("|---:|---:|---:|---:|---:|" + "---:|" * len(lengths))
+        for r in lv["rows"]:
+            lines.append(f"| {r['recompute_tail']} | {r['exact_layers']} | {r['kept']:.4f} | "
+                         f"{r['agreement']:.4f} | {r['loss_conv']:.4f} | "
+                         + " | ".join(f"{t['ratio']:.2f}x" for t in r["ttft"]) + " |")
+        lines.append("")
     p = results["projection"]
     sizes = list(p["by_source_layers"])
     lines.append("FLOP-projected TTFT ratio, Llama-3-8B-sized pair, by source layers per target "
@@ -632,6 +722,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int_at_least(1), default=EvalConfig.chunk_tokens)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--tail-tokens", type=int_at_least(0), nargs="+", default=[],
+                   help="levers: recompute_tail values to score and time (with every "
+                   "--exact-layers value)")
+    p.add_argument("--exact-layers", type=int_at_least(0), nargs="+", default=[],
+                   help="levers: exact_layers values to score and time")
     p.add_argument("--threads", type=int_at_least(0), default=1,
                    help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -647,7 +742,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         train_windows=args.train_windows, heldout_windows=args.heldout_windows,
                         ttft_lengths=list(args.ttft_lengths), ttft_repeats=args.ttft_repeats,
                         chunk_tokens=args.chunk_tokens, variants=list(args.variants),
-                        seed=args.seed)
+                        seed=args.seed, tail_tokens=list(args.tail_tokens),
+                        exact_layers=list(args.exact_layers))
     set_threads(args.threads)
     quiet_model_loading()
     pair = testbed.load_pair()

@@ -28,8 +28,28 @@ py::dict stats_dict(const BridgeStats& s) {
   d["adapters_skipped_stale"] = s.adapters_skipped_stale;
   d["adapters"] = s.adapters;
   d["adapters_below_quality"] = s.adapters_below_quality;
+  d["adapters_disabled"] = s.adapters_disabled;
+  d["adapters_skipped_disabled"] = s.adapters_skipped_disabled;
+  d["quality_checks"] = s.quality_checks;
+  d["quality_disables"] = s.quality_disables;
   d["lookup_seconds"] = s.lookup_seconds;
   d["convert_seconds"] = s.convert_seconds;
+  return d;
+}
+
+py::dict health_dict(const AdapterHealth& a) {
+  py::dict d;
+  d["adapter"] = a.adapter;
+  d["source"] = a.source;
+  d["target"] = a.target;
+  d["enabled"] = a.enabled;
+  d["checks"] = a.checks;
+  d["window_checks"] = a.window_checks;
+  d["window_positions"] = a.window_positions;
+  d["agreement"] = a.agreement;
+  d["kl"] = a.kl;
+  d["loss_gap"] = a.loss_gap;
+  d["disables"] = a.disables;
   return d;
 }
 
@@ -55,17 +75,59 @@ void bind_bridge(py::module_& m) {
           py::arg("keys"), py::arg("values"));
 
   py::class_<Bridge>(m, "Bridge")
-      .def(py::init([](KVStore& store, double min_quality, bool write_back) {
+      .def(py::init([](KVStore& store, double min_quality, bool write_back,
+                       int64_t recompute_tail, double min_agreement, int64_t check_window,
+                       int64_t min_checks) {
              BridgeOptions o;
              o.min_quality = min_quality;
              o.write_back = write_back;
+             o.recompute_tail = recompute_tail;
+             o.min_agreement = min_agreement;
+             o.check_window = check_window;
+             o.min_checks = min_checks;
              return std::make_unique<Bridge>(store, o);
            }),
            py::arg("store"), py::arg("min_quality") = BridgeOptions{}.min_quality,
            py::arg("write_back") = BridgeOptions{}.write_back,
+           py::arg("recompute_tail") = BridgeOptions{}.recompute_tail,
+           py::arg("min_agreement") = BridgeOptions{}.min_agreement,
+           py::arg("check_window") = BridgeOptions{}.check_window,
+           py::arg("min_checks") = BridgeOptions{}.min_checks,
            py::keep_alive<1, 2>())  // the Bridge borrows the store
       .def_property_readonly("min_quality", [](const Bridge& b) { return b.options().min_quality; })
       .def_property_readonly("write_back", [](const Bridge& b) { return b.options().write_back; })
+      .def_property_readonly("recompute_tail",
+                             [](const Bridge& b) { return b.options().recompute_tail; })
+      .def_property_readonly("min_agreement",
+                             [](const Bridge& b) { return b.options().min_agreement; })
+      .def_property_readonly("check_window",
+                             [](const Bridge& b) { return b.options().check_window; })
+      .def_property_readonly("min_checks", [](const Bridge& b) { return b.options().min_checks; })
+      .def(
+          "record_check",
+          [](Bridge& b, const std::string& adapter, int64_t positions, int64_t agreed,
+             double kl_sum, int64_t loss_positions, double loss_gap_sum) {
+            QualityCheck c;
+            c.positions = positions;
+            c.agreed = agreed;
+            c.kl_sum = kl_sum;
+            c.loss_positions = loss_positions;
+            c.loss_gap_sum = loss_gap_sum;
+            py::gil_scoped_release release;
+            return b.record_check(adapter, c);
+          },
+          py::arg("adapter"), py::arg("positions"), py::arg("agreed"), py::arg("kl_sum"),
+          py::arg("loss_positions"), py::arg("loss_gap_sum"))
+      .def("disable_adapter", &Bridge::disable_adapter, py::arg("adapter"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("enable_adapter", &Bridge::enable_adapter, py::arg("adapter"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("adapter_health",
+           [](const Bridge& b) {
+             py::list out;
+             for (const AdapterHealth& a : b.adapter_health()) out.append(health_dict(a));
+             return out;
+           })
       .def(
           "add_adapter",
           [](Bridge& b, std::shared_ptr<LinearAdapter> adapter, bool replace) {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <new>
@@ -21,10 +22,37 @@ int64_t elapsed_ns(Clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count();
 }
 
+// Monitoring state of one registered adapter; guarded by Bridge::Impl::mu.
+struct Health {
+  bool enabled = true;
+  std::deque<QualityCheck> window;  // the last check_window checks
+  int64_t checks = 0, disables = 0;
+};
+
 struct Registered {
   std::shared_ptr<const LinearAdapter> adapter;
   std::string source_fp, target_fp;
   double quality = 0;
+  std::shared_ptr<Health> health = std::make_shared<Health>();
+};
+
+// Pooled figures of a check window.
+struct Pooled {
+  int64_t positions = 0, agreed = 0, loss_positions = 0;
+  double kl_sum = 0, loss_gap_sum = 0;
+  explicit Pooled(const std::deque<QualityCheck>& window) {
+    for (const QualityCheck& c : window) {
+      positions += c.positions;
+      agreed += c.agreed;
+      kl_sum += c.kl_sum;
+      loss_positions += c.loss_positions;
+      loss_gap_sum += c.loss_gap_sum;
+    }
+  }
+  static double ratio(double num, int64_t den) {
+    return den > 0 ? num / static_cast<double>(den) : std::numeric_limits<double>::quiet_NaN();
+  }
+  double agreement() const { return ratio(static_cast<double>(agreed), positions); }
 };
 
 // A dense canonical buffer [layers, 2, tokens, kv_heads, head_dim] of `spec`'s dtype.
@@ -51,9 +79,25 @@ struct Bridge::Impl {
 
   std::atomic<int64_t> saves{0}, loads{0}, native_hits{0}, converted_hits{0}, misses{0},
       conversions{0}, native_tokens{0}, converted_tokens{0}, written_back_tokens{0},
-      skipped_quality{0}, skipped_stale{0}, lookup_ns{0}, convert_ns{0};
+      skipped_quality{0}, skipped_stale{0}, skipped_disabled{0}, quality_checks{0},
+      quality_disables{0}, lookup_ns{0}, convert_ns{0};
 
   bool usable(const Registered& r) const { return r.quality >= options.min_quality; }
+
+  // The registered adapter with this fingerprint, or nullptr; call with `mu` held.
+  Registered* find(const std::string& adapter_fp) {
+    for (Registered& r : registry)
+      if (r.adapter->fingerprint() == adapter_fp) return &r;
+    return nullptr;
+  }
+  // Sets `r`'s state; returns the adapter to purge (disabling) outside the lock, or nullptr.
+  std::shared_ptr<const LinearAdapter> set_enabled(Registered& r, bool enabled) {
+    Health& h = *r.health;
+    const bool was = h.enabled;
+    h.enabled = enabled;
+    if (enabled) h.window.clear();
+    return was && !enabled ? r.adapter : nullptr;
+  }
 };
 
 Load::~Load() = default;
@@ -71,6 +115,15 @@ void Load::copy_to(const KVView& dst) const {
 
 Bridge::Bridge(KVStore& store, const BridgeOptions& options) {
   KVB_CHECK(!std::isnan(options.min_quality), "min_quality must not be NaN");
+  KVB_CHECK(options.recompute_tail >= 0,
+            "recompute_tail must be >= 0, got " << options.recompute_tail);
+  KVB_CHECK(options.min_agreement == -std::numeric_limits<double>::infinity() ||
+                (options.min_agreement >= 0 && options.min_agreement <= 1),
+            "min_agreement must lie in [0, 1] or be -infinity, got " << options.min_agreement);
+  KVB_CHECK(options.check_window >= 1, "check_window must be >= 1, got " << options.check_window);
+  KVB_CHECK(options.min_checks >= 1 && options.min_checks <= options.check_window,
+            "min_checks must lie in [1, check_window = " << options.check_window << "], got "
+                                                         << options.min_checks);
   impl_ = std::make_unique<Impl>(store, options);
 }
 
@@ -184,7 +237,7 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
   // Candidates: adapters to exactly this spec, copied out so the lock is not held while working.
   const std::string target_fp = spec.fingerprint();
   std::vector<Registered> candidates;
-  int64_t skipped_quality = 0, skipped_stale = 0;
+  int64_t skipped_quality = 0, skipped_stale = 0, skipped_disabled = 0;
   if (native_len < limit) {
     std::lock_guard<std::mutex> lock(m.mu);
     for (const Registered& r : m.registry) {
@@ -196,12 +249,24 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
         ++skipped_quality;
         continue;
       }
+      if (!r.health->enabled) {
+        ++skipped_disabled;
+        continue;
+      }
       candidates.push_back(r);
     }
   }
   m.skipped_quality.fetch_add(skipped_quality, std::memory_order_relaxed);
   m.skipped_stale.fetch_add(skipped_stale, std::memory_order_relaxed);
+  m.skipped_disabled.fetch_add(skipped_disabled, std::memory_order_relaxed);
 
+  // Converted tokens end here at most: with recompute_tail r > 0 the target computes the prompt's
+  // last r + 1 tokens itself; with 0 a source prefix covering the whole prompt is converted whole
+  // (and written back) and the returned load trimmed by one.
+  const int64_t tail = m.options.recompute_tail;
+  auto converted_end = [&](int64_t source_len) {
+    return tail == 0 ? source_len : std::min(source_len, limit - tail);
+  };
   // The longest source prefix; ties go to the higher quality, then the earlier registered.
   const Registered* best = nullptr;
   Match best_match;
@@ -209,10 +274,10 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
     start = Clock::now();
     Match found = m.store.match(r.adapter->source(), tokens, ns);
     m.lookup_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
-    const int64_t len = found.tokens();
+    const int64_t len = converted_end(found.tokens());
     if (std::min(len, limit) <= std::min(native_len, limit)) continue;
-    if (best && (len < best_match.tokens() ||
-                 (len == best_match.tokens() && r.quality <= best->quality)))
+    if (best && (len < converted_end(best_match.tokens()) ||
+                 (len == converted_end(best_match.tokens()) && r.quality <= best->quality)))
       continue;
     best = &r;
     best_match = std::move(found);
@@ -244,7 +309,7 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
 
   // Native [0, native_len) as stored, source [native_len, total) converted at its positions.
   const LinearAdapter& adapter = *best->adapter;
-  const int64_t total = best_match.tokens();
+  const int64_t total = converted_end(best_match.tokens());
   const int64_t missing = total - native_len;
   std::shared_ptr<void> buffer = allocate_kv(spec, total);
   const KVView full = dense_view(buffer.get(), spec, total);
@@ -287,6 +352,86 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
   return out;
 }
 
+bool Bridge::record_check(const std::string& adapter_fingerprint, const QualityCheck& check) {
+  KVB_CHECK(check.positions > 0, "record_check: positions must be > 0, got " << check.positions);
+  KVB_CHECK(check.agreed >= 0 && check.agreed <= check.positions,
+            "record_check: agreed must lie in [0, positions = " << check.positions << "], got "
+                                                                << check.agreed);
+  KVB_CHECK(check.loss_positions >= 0 && check.loss_positions <= check.positions,
+            "record_check: loss_positions must lie in [0, positions = "
+                << check.positions << "], got " << check.loss_positions);
+  KVB_CHECK(std::isfinite(check.kl_sum) && check.kl_sum >= 0,
+            "record_check: kl_sum must be finite and >= 0, got " << check.kl_sum);
+  KVB_CHECK(std::isfinite(check.loss_gap_sum),
+            "record_check: loss_gap_sum must be finite, got " << check.loss_gap_sum);
+  Impl& m = *impl_;
+  std::shared_ptr<const LinearAdapter> purge;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    Registered* r = m.find(adapter_fingerprint);
+    KVB_CHECK_AS(NotFound, r != nullptr,
+                 "record_check: no registered adapter has fingerprint " << adapter_fingerprint);
+    m.quality_checks.fetch_add(1, std::memory_order_relaxed);
+    Health& h = *r->health;
+    ++h.checks;
+    if (!h.enabled) return false;
+    h.window.push_back(check);
+    while (static_cast<int64_t>(h.window.size()) > m.options.check_window) h.window.pop_front();
+    if (static_cast<int64_t>(h.window.size()) < m.options.min_checks ||
+        !(Pooled(h.window).agreement() < m.options.min_agreement))
+      return false;
+    purge = m.set_enabled(*r, false);
+    ++h.disables;
+    m.quality_disables.fetch_add(1, std::memory_order_relaxed);
+  }
+  invalidate_adapter(*purge);  // outside the lock: it scans every tier
+  return true;
+}
+
+bool Bridge::disable_adapter(const std::string& adapter_fingerprint) {
+  std::shared_ptr<const LinearAdapter> purge;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    Registered* r = impl_->find(adapter_fingerprint);
+    if (r == nullptr) return false;
+    purge = impl_->set_enabled(*r, false);
+  }
+  if (purge) invalidate_adapter(*purge);
+  return true;
+}
+
+bool Bridge::enable_adapter(const std::string& adapter_fingerprint) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Registered* r = impl_->find(adapter_fingerprint);
+  if (r == nullptr) return false;
+  impl_->set_enabled(*r, true);
+  return true;
+}
+
+std::vector<AdapterHealth> Bridge::adapter_health() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<AdapterHealth> out;
+  out.reserve(impl_->registry.size());
+  for (const Registered& r : impl_->registry) {
+    const Health& h = *r.health;
+    const Pooled pooled(h.window);
+    AdapterHealth a;
+    a.adapter = r.adapter->fingerprint();
+    a.source = r.adapter->source().name;
+    a.target = r.adapter->target().name;
+    a.enabled = h.enabled;
+    a.checks = h.checks;
+    a.window_checks = static_cast<int64_t>(h.window.size());
+    a.window_positions = pooled.positions;
+    a.agreement = pooled.agreement();
+    a.kl = Pooled::ratio(pooled.kl_sum, pooled.positions);
+    a.loss_gap = Pooled::ratio(pooled.loss_gap_sum, pooled.loss_positions);
+    a.disables = h.disables;
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
 BridgeStats Bridge::stats() const {
   const Impl& m = *impl_;
   auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
@@ -302,6 +447,9 @@ BridgeStats Bridge::stats() const {
   s.written_back_tokens = get(m.written_back_tokens);
   s.adapters_skipped_quality = get(m.skipped_quality);
   s.adapters_skipped_stale = get(m.skipped_stale);
+  s.adapters_skipped_disabled = get(m.skipped_disabled);
+  s.quality_checks = get(m.quality_checks);
+  s.quality_disables = get(m.quality_disables);
   s.lookup_seconds = static_cast<double>(get(m.lookup_ns)) * 1e-9;
   s.convert_seconds = static_cast<double>(get(m.convert_ns)) * 1e-9;
   std::lock_guard<std::mutex> lock(m.mu);
@@ -309,18 +457,51 @@ BridgeStats Bridge::stats() const {
   s.adapters_below_quality = static_cast<int64_t>(
       std::count_if(m.registry.begin(), m.registry.end(),
                     [&](const Registered& r) { return !m.usable(r); }));
+  s.adapters_disabled = static_cast<int64_t>(
+      std::count_if(m.registry.begin(), m.registry.end(),
+                    [](const Registered& r) { return !r.health->enabled; }));
   return s;
 }
 
+namespace {
+
+// Label values in the text format: backslash, double quote and newline escaped.
+std::string label_value(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string Bridge::prometheus_text() const {
   const BridgeStats s = stats();
+  const std::vector<AdapterHealth> health = adapter_health();
   std::string out;
-  auto family = [&out](const char* name, const char* type, const char* help, double value) {
-    char number[64];
-    std::snprintf(number, sizeof number, "%.17g", value);
+  // One family: its HELP and TYPE lines, then one sample per (labels, value); labels may be "".
+  auto samples = [&out](const char* name, const char* type, const char* help,
+                        const std::vector<std::pair<std::string, double>>& values) {
     out += std::string("# HELP kvbridge_bridge_") + name + " " + help + "\n";
     out += std::string("# TYPE kvbridge_bridge_") + name + " " + type + "\n";
-    out += std::string("kvbridge_bridge_") + name + " " + number + "\n";
+    for (const auto& [labels, value] : values) {
+      char number[64];
+      if (std::isnan(value)) {
+        std::snprintf(number, sizeof number, "NaN");
+      } else {
+        std::snprintf(number, sizeof number, "%.17g", value);
+      }
+      out += std::string("kvbridge_bridge_") + name + labels + " " + number + "\n";
+    }
+  };
+  auto family = [&](const char* name, const char* type, const char* help, double value) {
+    samples(name, type, help, {{"", value}});
   };
   auto counter = [&](const char* name, const char* help, double v) {
     family(name, "counter", help, v);
@@ -353,6 +534,43 @@ std::string Bridge::prometheus_text() const {
   family("adapters", "gauge", "Adapters registered.", d(s.adapters));
   family("adapters_below_quality", "gauge", "Registered adapters under min_quality (never used).",
          d(s.adapters_below_quality));
+  counter("adapters_skipped_disabled_total",
+          "Adapters to a load's target passed over because they are disabled.",
+          d(s.adapters_skipped_disabled));
+  counter("quality_checks_total", "Quality checks recorded.", d(s.quality_checks));
+  counter("quality_disables_total", "Adapters disabled by the agreement floor.",
+          d(s.quality_disables));
+  family("adapters_disabled", "gauge", "Registered adapters disabled now.",
+         d(s.adapters_disabled));
+  // Per adapter, labelled by fingerprint and model names.
+  auto per_adapter = [&](const char* name, const char* type, const char* help,
+                         double (*value)(const AdapterHealth&)) {
+    std::vector<std::pair<std::string, double>> values;
+    for (const AdapterHealth& a : health)
+      values.emplace_back("{adapter=\"" + label_value(a.adapter) + "\",source=\"" +
+                              label_value(a.source) + "\",target=\"" + label_value(a.target) +
+                              "\"}",
+                          value(a));
+    samples(name, type, help, values);
+  };
+  per_adapter("adapter_enabled", "gauge", "1 if the adapter is enabled, 0 if disabled.",
+              [](const AdapterHealth& a) { return a.enabled ? 1.0 : 0.0; });
+  per_adapter("adapter_agreement", "gauge",
+              "Rolling top-1 agreement of converted with own-prefill next tokens.",
+              [](const AdapterHealth& a) { return a.agreement; });
+  per_adapter("adapter_kl", "gauge",
+              "Rolling mean KL(own || converted) of next-token distributions, nats.",
+              [](const AdapterHealth& a) { return a.kl; });
+  per_adapter("adapter_loss_gap", "gauge",
+              "Rolling mean cross-entropy gap (converted minus own), nats per token.",
+              [](const AdapterHealth& a) { return a.loss_gap; });
+  per_adapter("adapter_window_checks", "gauge", "Checks in the rolling window.",
+              [](const AdapterHealth& a) { return static_cast<double>(a.window_checks); });
+  per_adapter("adapter_checks_total", "counter", "Quality checks recorded for the adapter.",
+              [](const AdapterHealth& a) { return static_cast<double>(a.checks); });
+  per_adapter("adapter_disables_total", "counter",
+              "Times the adapter was disabled by the agreement floor.",
+              [](const AdapterHealth& a) { return static_cast<double>(a.disables); });
   return out;
 }
 

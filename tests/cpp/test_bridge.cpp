@@ -526,5 +526,199 @@ TEST_F(BridgeTest, ConcurrentLoadsAgree) {
   EXPECT_GE(s.converted_hits, 1);
 }
 
+// recompute_tail r: a converted load stops r tokens before the last prompt token; the converted
+// tokens equal the adapter's conversion of the same tokens, and only their whole chunks are
+// written back. A native prefix is never cut, and wins when the cut leaves no more than it.
+TEST_F(BridgeTest, RecomputeTailLeavesTokensToTheTarget) {
+  KVStore store(store_options());
+  BridgeOptions options;
+  options.recompute_tail = 5;
+  Bridge bridge(store, options);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(53, 31);  // limit 52, cut at 47
+  FloatKV src(*src_, 53, 1);
+  src.randomize(41);
+  bridge.save(*src_, tokens, src.view());
+  const Load load = bridge.load(*tgt_, tokens);
+  ASSERT_TRUE(load.converted());
+  EXPECT_EQ(load.tokens(), 47);
+  // The same float32 convert of the same 47 stored tokens: identical; float64 within 1e-5.
+  EXPECT_EQ(load_kv(load, *tgt_), converted(**good_, src.view().slice_tokens(0, 47), 0, false));
+  const auto ref48 = converted(**good_, src.view().slice_tokens(0, 48), 0, true);
+  EXPECT_LT(max_rel_diff(load_kv(load, *tgt_), token_range(ref48, *tgt_, 48, 0, 47)), 1e-5);
+  EXPECT_EQ(bridge.stats().converted_tokens, 47);
+  EXPECT_EQ(bridge.stats().written_back_tokens, 32);
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 32);
+  // Native 32 now; the converted candidate (47) is still longer: tokens [32, 47) converted.
+  const Load again = bridge.load(*tgt_, tokens);
+  EXPECT_TRUE(again.converted());
+  EXPECT_EQ(again.native_tokens(), 32);
+  EXPECT_LT(max_rel_diff(load_kv(again, *tgt_), token_range(ref48, *tgt_, 48, 0, 47)), 1e-5);
+
+  BridgeOptions deep;
+  deep.recompute_tail = 30;  // cut at 22 < the native 32: the native prefix wins, uncut
+  Bridge cautious(store, deep);
+  cautious.add_adapter(*good_);
+  const Load native = cautious.load(*tgt_, tokens);
+  EXPECT_FALSE(native.converted());
+  EXPECT_EQ(native.tokens(), 32);
+  KVStore empty(store_options());
+  Bridge fresh(empty, deep);
+  fresh.add_adapter(*good_);
+  fresh.save(*src_, tokens, src.view());
+  const Load short_load = fresh.load(*tgt_, tokens);
+  EXPECT_TRUE(short_load.converted());
+  EXPECT_EQ(short_load.tokens(), 22);
+  EXPECT_LT(max_rel_diff(load_kv(short_load, *tgt_), token_range(ref48, *tgt_, 48, 0, 22)), 1e-5);
+  EXPECT_EQ(fresh.stats().written_back_tokens, 16);
+  deep.recompute_tail = 60;  // nothing left to convert: a miss
+  Bridge none(empty, deep);
+  none.add_adapter(*good_);
+  EXPECT_FALSE(none.load(*tgt_, testing::random_tokens(40, 32)));
+
+  BridgeOptions negative;
+  negative.recompute_tail = -1;
+  EXPECT_THROW((Bridge{store, negative}), InvalidArgument);
+}
+
+QualityCheck check_of(int64_t positions, int64_t agreed, double kl = 0.25, int64_t loss = 3,
+                      double gap = 0.5) {
+  QualityCheck c;
+  c.positions = positions;
+  c.agreed = agreed;
+  c.kl_sum = kl;
+  c.loss_positions = loss;
+  c.loss_gap_sum = gap;
+  return c;
+}
+
+// Rolling agreement under the floor disables an adapter at the min_checks-th check at the latest;
+// loads then fall back (here: a miss), its written-back entries are gone, and re-enabling it
+// starts a fresh window.
+TEST_F(BridgeTest, ChecksUnderTheFloorDisableTheAdapter) {
+  KVStore store(store_options());
+  BridgeOptions options;
+  options.min_agreement = 0.75;
+  options.check_window = 6;
+  options.min_checks = 4;
+  Bridge bridge(store, options);
+  bridge.add_adapter(*good_);
+  const std::string fp = (*good_)->fingerprint();
+  const auto tokens = testing::random_tokens(40, 33);
+  FloatKV src(*src_, 40);
+  src.randomize(42);
+  bridge.save(*src_, tokens, src.view());
+  ASSERT_TRUE(bridge.load(*tgt_, tokens).converted());
+  ASSERT_EQ(store.match(*tgt_, tokens).tokens(), 32);  // written back
+
+  // Healthy checks: 7 of 8 agree.
+  for (int i = 0; i < 6; ++i) EXPECT_FALSE(bridge.record_check(fp, check_of(8, 7)));
+  std::vector<AdapterHealth> h = bridge.adapter_health();
+  ASSERT_EQ(h.size(), 1u);
+  EXPECT_EQ(h[0].adapter, fp);
+  EXPECT_EQ(h[0].source, "src");
+  EXPECT_EQ(h[0].target, "tgt");
+  EXPECT_TRUE(h[0].enabled);
+  EXPECT_EQ(h[0].checks, 6);
+  EXPECT_EQ(h[0].window_checks, 6);
+  EXPECT_EQ(h[0].window_positions, 48);
+  EXPECT_DOUBLE_EQ(h[0].agreement, 42.0 / 48.0);
+  EXPECT_DOUBLE_EQ(h[0].kl, 6 * 0.25 / 48.0);
+  EXPECT_DOUBLE_EQ(h[0].loss_gap, 6 * 0.5 / 18.0);
+  // A broken spell: 1 of 8 agree. The window (6) pools them with the healthy ones:
+  // 5 healthy + 1 bad = 36/48, 4 + 2 = 30/48 < 0.75: disabled by the second bad check.
+  EXPECT_FALSE(bridge.record_check(fp, check_of(8, 1)));
+  EXPECT_TRUE(bridge.record_check(fp, check_of(8, 1)));
+  EXPECT_FALSE(bridge.record_check(fp, check_of(8, 0)));  // counted, changes nothing
+  h = bridge.adapter_health();
+  EXPECT_FALSE(h[0].enabled);
+  EXPECT_EQ(h[0].checks, 9);
+  EXPECT_EQ(h[0].window_checks, 6);
+  EXPECT_DOUBLE_EQ(h[0].agreement, 30.0 / 48.0);
+  EXPECT_EQ(h[0].disables, 1);
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 0);  // the written-back entries were purged
+
+  EXPECT_FALSE(bridge.load(*tgt_, tokens));  // falls back: the target prefills itself
+  BridgeStats s = bridge.stats();
+  EXPECT_EQ(s.adapters_disabled, 1);
+  EXPECT_EQ(s.adapters_skipped_disabled, 1);
+  EXPECT_EQ(s.quality_checks, 9);
+  EXPECT_EQ(s.quality_disables, 1);
+  EXPECT_EQ(s.conversions, 1);
+  const std::string text = bridge.prometheus_text();
+  const std::string labels = "{adapter=\"" + fp + "\",source=\"src\",target=\"tgt\"}";
+  for (const std::string& line : std::vector<std::string>{
+           "kvbridge_bridge_adapters_disabled 1\n", "kvbridge_bridge_quality_checks_total 9\n",
+        "kvbridge_bridge_quality_disables_total 1\n",
+        "kvbridge_bridge_adapters_skipped_disabled_total 1\n",
+        "kvbridge_bridge_adapter_enabled" + labels + " 0\n",
+        "kvbridge_bridge_adapter_agreement" + labels + " 0.625\n",
+        "kvbridge_bridge_adapter_checks_total" + labels + " 9\n",
+        "kvbridge_bridge_adapter_disables_total" + labels + " 1\n",
+        "kvbridge_bridge_adapter_window_checks" + labels + " 6\n",
+        "# TYPE kvbridge_bridge_adapter_kl gauge\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << "\n" << text;
+  }
+
+  // Re-enabled by the operator: an empty window, converting again; a bad spell from the start is
+  // caught at exactly min_checks checks.
+  EXPECT_TRUE(bridge.enable_adapter(fp));
+  h = bridge.adapter_health();
+  EXPECT_TRUE(h[0].enabled);
+  EXPECT_EQ(h[0].window_checks, 0);
+  EXPECT_TRUE(std::isnan(h[0].agreement));
+  EXPECT_TRUE(bridge.load(*tgt_, tokens).converted());
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(bridge.record_check(fp, check_of(8, 0)));
+  EXPECT_TRUE(bridge.record_check(fp, check_of(8, 0)));
+  EXPECT_EQ(bridge.adapter_health()[0].disables, 2);
+  EXPECT_EQ(bridge.stats().quality_disables, 2);
+
+  // The operator can disable one too (not counted as a floor disable); unknown ones are refused.
+  EXPECT_TRUE(bridge.enable_adapter(fp));
+  EXPECT_TRUE(bridge.disable_adapter(fp));
+  EXPECT_FALSE(bridge.adapter_health()[0].enabled);
+  EXPECT_EQ(bridge.stats().quality_disables, 2);
+  EXPECT_FALSE(bridge.enable_adapter("0123"));
+  EXPECT_FALSE(bridge.disable_adapter("0123"));
+  EXPECT_THROW(bridge.record_check("0123", check_of(8, 8)), NotFound);
+  // Replacing the adapter registers it afresh (enabled, no checks).
+  bridge.add_adapter(*good_, /*replace=*/true);
+  EXPECT_TRUE(bridge.adapter_health()[0].enabled);
+  EXPECT_EQ(bridge.adapter_health()[0].checks, 0);
+}
+
+TEST_F(BridgeTest, CheckValidation) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const std::string fp = (*good_)->fingerprint();
+  EXPECT_THROW(bridge.record_check(fp, check_of(0, 0)), InvalidArgument);
+  EXPECT_THROW(bridge.record_check(fp, check_of(8, 9)), InvalidArgument);
+  EXPECT_THROW(bridge.record_check(fp, check_of(8, -1)), InvalidArgument);
+  EXPECT_THROW(bridge.record_check(fp, check_of(8, 8, -0.5)), InvalidArgument);
+  EXPECT_THROW(bridge.record_check(fp, check_of(8, 8, std::nan(""))), InvalidArgument);
+  EXPECT_THROW(bridge.record_check(fp, check_of(8, 8, 0.1, 9)), InvalidArgument);
+  EXPECT_THROW(bridge.record_check(fp, check_of(8, 8, 0.1, 2, INFINITY)), InvalidArgument);
+  EXPECT_EQ(bridge.stats().quality_checks, 0);
+  for (auto set : std::vector<void (*)(BridgeOptions&)>{
+           [](BridgeOptions& o) { o.min_agreement = 1.5; },
+           [](BridgeOptions& o) { o.min_agreement = -0.1; },
+           [](BridgeOptions& o) { o.min_agreement = std::nan(""); },
+           [](BridgeOptions& o) { o.check_window = 0; },
+           [](BridgeOptions& o) { o.min_checks = 0; },
+           [](BridgeOptions& o) { o.min_checks = o.check_window + 1; }}) {
+    BridgeOptions o;
+    set(o);
+    EXPECT_THROW((Bridge{store, o}), InvalidArgument);
+  }
+  BridgeOptions never;
+  never.min_agreement = -std::numeric_limits<double>::infinity();
+  never.min_checks = 1;
+  Bridge open(store, never);
+  open.add_adapter(*good_);
+  for (int i = 0; i < 40; ++i) EXPECT_FALSE(open.record_check(fp, check_of(8, 0)));
+  EXPECT_TRUE(open.adapter_health()[0].enabled);
+}
+
 }  // namespace
 }  // namespace kvbridge

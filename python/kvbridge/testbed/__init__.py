@@ -50,6 +50,13 @@ SOURCE_NAME, TARGET_NAME = MODEL_NAMES
 #: The longest sequence (prompt plus generated tokens) the models were trained on.
 MAX_CONTEXT = 256
 
+#: The Bridge options used with the shipped adapter (the demo, `kvbridge eval`'s default lever
+#: row): the smallest measured tail recompute that keeps >= 0.995 of the prefix benefit with
+#: >= 0.99 greedy agreement on held-out text (benchmarks/recorded/120-quality-levers.md). The
+#: target computes the prompt's last recompute_tail + 1 tokens itself; exact first layers and
+#: end-to-end refinement did not pay on this pair.
+BRIDGE_OPTIONS = {"recompute_tail": 96}
+
 #: Where the corpus comes from (Debian package ``fortunes``).
 FORTUNES_DIR = pathlib.Path("/usr/share/games/fortunes")
 #: Fortune files left out of the corpus (pictures, not text).
@@ -252,6 +259,7 @@ def texts(split: str) -> List[str]:
 
 
 __all__ = [
+    "BRIDGE_OPTIONS",
     "ByteTokenizer",
     "CHECK_FORTUNES",
     "EXCLUDED_FILES",
