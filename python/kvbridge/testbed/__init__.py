@@ -87,6 +87,22 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
 
+    def encode_with_offsets(self, text: str, add_bos: bool = True, add_eos: bool = False
+                            ) -> Tuple[List[int], List[Tuple[int, int]], List[Optional[str]]]:
+        """``(ids, offsets, roles)`` as kvbridge.token_offsets returns them: one token per UTF-8
+        byte with its byte range; BOS / EOS with an empty range and role "bos" / "eos"."""
+        ids = self.encode(text, add_bos=add_bos, add_eos=add_eos)
+        n = len(ids) - int(add_bos) - int(add_eos)
+        offsets = [(i, i + 1) for i in range(n)]
+        roles: List[Optional[str]] = [None] * n
+        if add_bos:
+            offsets.insert(0, (0, 0))
+            roles.insert(0, "bos")
+        if add_eos:
+            offsets.append((n, n))
+            roles.append("eos")
+        return ids, offsets, roles
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of the byte ids; special ids are dropped, invalid UTF-8 becomes U+FFFD."""
         if isinstance(ids, torch.Tensor):
