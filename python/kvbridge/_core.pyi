@@ -1,5 +1,5 @@
 """Type stub for the native core. Use the kvbridge package's re-exports, not this module."""
-from typing import Dict, List, Optional, Sequence, Union, overload
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 
@@ -198,5 +198,10 @@ class Bridge:
     def save(self, spec: ModelSpec, tokens: Tokens, keys: List[TensorView],
              values: List[TensorView], namespace: str) -> int: ...
     def load(self, spec: ModelSpec, tokens: Tokens, namespace: str) -> BridgeLoad: ...
+    def load_across(self, spec: ModelSpec, tokens: Tokens,
+                    target: Tuple[List[int], List[int], List[int], List[str]],
+                    tokenize: Callable[[str], Optional[Tuple[List[int], List[int], List[int],
+                                                             List[str]]]],
+                    namespace: str) -> BridgeLoad: ...
     def stats(self) -> Dict[str, Union[int, float]]: ...
     def prometheus_text(self) -> str: ...
