@@ -1,5 +1,5 @@
 """Type stub for the native core. Use the kvbridge package's re-exports, not this module."""
-from typing import Dict, List, Sequence, Union, overload
+from typing import Dict, List, Optional, Sequence, Union, overload
 
 import numpy as np
 
@@ -105,6 +105,10 @@ class KVStore:
     def stats(self) -> Dict[str, object]: ...
     def metrics_text(self) -> str: ...
 
+def align(source_starts: Sequence[int], source_ends: Sequence[int], target_starts: Sequence[int],
+          target_ends: Sequence[int], policy: str, source_roles: List[str],
+          target_roles: List[str]) -> np.ndarray: ...
+
 def prefix_hashes(spec: ModelSpec, tokens: Tokens, namespace: str,
                   chunk_tokens: int) -> List[str]: ...
 
@@ -118,6 +122,7 @@ class FitOptions:
     source_layers: List[List[int]]
     max_source_layers: int
     rope_aware: bool
+    alignment_policy: str
     ridge_grid: List[float]
     holdout: float
     seed: int
@@ -137,12 +142,15 @@ class LinearAdapter:
     def load(path: str, *, allow_unchecked: bool = False) -> "LinearAdapter": ...
     def convert(self, src_keys: List[TensorView], src_values: List[TensorView], start_pos: int,
                 dst_keys: List[TensorView], dst_values: List[TensorView],
-                reference: bool = False, stream: int = 0) -> None: ...
+                reference: bool = False, stream: int = 0,
+                alignment: Optional[Sequence[int]] = None,
+                target_start_pos: int = 0) -> None: ...
 
 class AdapterFitter:
     def __init__(self, source: ModelSpec, target: ModelSpec, options: FitOptions) -> None: ...
     def add(self, src_keys: List[TensorView], src_values: List[TensorView],
-            tgt_keys: List[TensorView], tgt_values: List[TensorView], start_pos: int) -> None: ...
+            tgt_keys: List[TensorView], tgt_values: List[TensorView], start_pos: int,
+            alignment: Optional[Sequence[int]] = None) -> None: ...
     @property
     def train_tokens(self) -> int: ...
     @property

@@ -44,10 +44,11 @@ int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dty
 // bias, rotate and store.
 template <typename T>
 void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
-                  const KVView& dst) {
-  check_pair(a.source, a.target, src, dst, "source_kv", "target_kv");
-  const int64_t T_ = src.tokens();
-  detail::check_positions(start_pos, T_);
+                  const KVView& dst, const std::vector<int64_t>* alignment,
+                  int64_t target_start_pos) {
+  check_pair(a.source, a.target, src, dst, "source_kv", "target_kv", alignment == nullptr);
+  detail::check_convert_positions(src, start_pos, dst, alignment, target_start_pos);
+  const int64_t T_ = dst.tokens();
   if (T_ == 0) return;
   const int64_t sw = a.source_width(), tw = a.target_width();
   const bool rope = a.report.rope_aware;
@@ -64,8 +65,12 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
 
   for (int64_t b0 = 0; b0 < T_; b0 += B) {
     const int64_t n = std::min(B, T_ - b0);
-    const int64_t pos = start_pos + b0;
-    const KVView s = src.slice_tokens(b0, n);
+    // Source rows of the block: tokens b0.. (positions start_pos + b0 + t), or with an alignment
+    // tokens alignment[b0 + t] of the whole source (positions start_pos + alignment[b0 + t]).
+    const int64_t* rows = alignment ? alignment->data() + b0 : nullptr;
+    const int64_t source_pos = rows ? start_pos : start_pos + b0;
+    const int64_t target_pos = target_start_pos + b0;
+    const KVView s = rows ? src : src.slice_tokens(b0, n);
     const KVView d = dst.slice_tokens(b0, n);
     for (int64_t l = 0; l < a.source.num_layers; ++l) {
       if (!used[static_cast<size_t>(l)]) continue;
@@ -77,11 +82,11 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
       for (int kind = 0; kind < 2; ++kind)
         detail::load_plane(s.plane(l, static_cast<KVView::Kind>(kind)), s.dtype(), n,
                            a.source.num_kv_heads, a.source.head_dim, gathered + kind * sw,
-                           2 * sw);
+                           2 * sw, rows);
       if constexpr (!kFloat) x = Eigen::Map<RowMat<float>>(buf.data(), n, 2 * sw).cast<T>();
       if (rope)
-        detail::apply_rope(a.source, a.source_inv_freq, pos, /*inverse=*/true, n,
-                           a.source.num_kv_heads, x.data(), 2 * sw);
+        detail::apply_rope(a.source, a.source_inv_freq, source_pos, /*inverse=*/true, n,
+                           a.source.num_kv_heads, x.data(), 2 * sw, rows);
     }
     auto yb = y.topRows(n);
     for (int64_t j = 0; j < a.target.num_layers; ++j) {
@@ -103,7 +108,7 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
           }
         }
         if (rope && kind == 0)
-          detail::apply_rope(a.target, a.target_inv_freq, pos, /*inverse=*/false, n,
+          detail::apply_rope(a.target, a.target_inv_freq, target_pos, /*inverse=*/false, n,
                              a.target.num_kv_heads, y.data(), tw);
         const float* plane = nullptr;
         if constexpr (kFloat) {
@@ -119,6 +124,32 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   }
 }
 }  // namespace
+
+void check_alignment(const std::vector<int64_t>& alignment, int64_t source_tokens,
+                     int64_t target_tokens, bool allow_missing) {
+  KVB_CHECK(static_cast<int64_t>(alignment.size()) == target_tokens,
+            "alignment: expected one entry per target token (" << target_tokens << "), got "
+                                                               << alignment.size());
+  for (size_t j = 0; j < alignment.size(); ++j) {
+    const int64_t i = alignment[j];
+    KVB_CHECK((i >= 0 && i < source_tokens) || (allow_missing && i == kNoSource),
+              "alignment[" << j << "] = " << i << ": expected a source token index in [0, "
+                           << source_tokens << ")" << (allow_missing ? " or -1" : "")
+                           << (i == kNoSource ? " (no source token serves this target token; "
+                                                "convert only tokens that have one)"
+                                              : ""));
+  }
+}
+
+namespace detail {
+void check_convert_positions(const KVView& src, int64_t start_pos, const KVView& dst,
+                             const std::vector<int64_t>* alignment, int64_t target_start_pos) {
+  detail::check_positions(start_pos, src.tokens());
+  if (!alignment) return;
+  detail::check_positions(target_start_pos, dst.tokens());
+  check_alignment(*alignment, src.tokens(), dst.tokens(), /*allow_missing=*/false);
+}
+}  // namespace detail
 
 LinearAdapter::LinearAdapter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 LinearAdapter::LinearAdapter(LinearAdapter&&) noexcept = default;
@@ -146,21 +177,39 @@ void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& 
 
 void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst,
                             void* cuda_stream) const {
+  convert_dispatch(src, start_pos, dst, nullptr, start_pos, cuda_stream);
+}
+
+void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst,
+                            const std::vector<int64_t>& alignment, int64_t target_start_pos,
+                            void* cuda_stream) const {
+  convert_dispatch(src, start_pos, dst, &alignment, target_start_pos, cuda_stream);
+}
+
+void LinearAdapter::convert_dispatch(const KVView& src, int64_t start_pos, const KVView& dst,
+                                     const std::vector<int64_t>* alignment,
+                                     int64_t target_start_pos, void* cuda_stream) const {
   KVB_CHECK(src.device() == dst.device(),
             "source_kv and target_kv must be on one device, got "
                 << (src.device().type == DeviceType::kCUDA ? "cuda:" : "cpu:") << src.device().index
                 << " and " << (dst.device().type == DeviceType::kCUDA ? "cuda:" : "cpu:")
                 << dst.device().index);
   if (src.device().type == DeviceType::kCUDA) {
-    detail::convert_cuda(*impl_, src, start_pos, dst, cuda_stream);
+    detail::convert_cuda(*impl_, src, start_pos, dst, cuda_stream, alignment, target_start_pos);
     return;
   }
-  convert_impl<float>(*impl_, src, start_pos, dst);
+  convert_impl<float>(*impl_, src, start_pos, dst, alignment, target_start_pos);
 }
 
 void LinearAdapter::convert_reference(const KVView& src, int64_t start_pos,
                                       const KVView& dst) const {
-  convert_impl<double>(*impl_, src, start_pos, dst);
+  convert_impl<double>(*impl_, src, start_pos, dst, nullptr, start_pos);
+}
+
+void LinearAdapter::convert_reference(const KVView& src, int64_t start_pos, const KVView& dst,
+                                      const std::vector<int64_t>& alignment,
+                                      int64_t target_start_pos) const {
+  convert_impl<double>(*impl_, src, start_pos, dst, &alignment, target_start_pos);
 }
 
 }  // namespace kvbridge

@@ -63,12 +63,13 @@ constexpr int64_t kParallelElements = int64_t{1} << 16;
 
 template <typename Load>
 void gather(const KVPlane& p, int64_t es, int64_t tokens, int64_t heads, int64_t dim, float* out,
-            int64_t ld, Load load) {
+            int64_t ld, const int64_t* rows, Load load) {
   const char* base = static_cast<const char*>(p.data);
 #pragma omp parallel for schedule(static) if (tokens * heads * dim >= kParallelElements)
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t h = 0; h < heads; ++h) {
-      const char* row = base + (t * p.token_stride + h * p.head_stride) * es;
+      const int64_t token = rows ? rows[t] : t;
+      const char* row = base + (token * p.token_stride + h * p.head_stride) * es;
       float* o = out + t * ld + h * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] = load(row + d * p.dim_stride * es);
     }
@@ -90,22 +91,22 @@ void scatter(const float* in, int64_t ld, int64_t es, int64_t tokens, int64_t he
 }  // namespace
 
 void load_plane(const KVPlane& p, DType dtype, int64_t tokens, int64_t heads, int64_t dim,
-                float* out, int64_t ld) {
+                float* out, int64_t ld, const int64_t* rows) {
   switch (dtype) {
     case DType::kFloat32:
-      return gather(p, 4, tokens, heads, dim, out, ld, [](const char* s) {
+      return gather(p, 4, tokens, heads, dim, out, ld, rows, [](const char* s) {
         float f;
         std::memcpy(&f, s, 4);
         return f;
       });
     case DType::kBFloat16:
-      return gather(p, 2, tokens, heads, dim, out, ld, [](const char* s) {
+      return gather(p, 2, tokens, heads, dim, out, ld, rows, [](const char* s) {
         uint16_t b;
         std::memcpy(&b, s, 2);
         return bf16_to_float(b);
       });
     case DType::kFloat16:
-      return gather(p, 2, tokens, heads, dim, out, ld, [](const char* s) {
+      return gather(p, 2, tokens, heads, dim, out, ld, rows, [](const char* s) {
         uint16_t b;
         std::memcpy(&b, s, 2);
         return fp16_to_float(b);
@@ -161,7 +162,8 @@ std::vector<double> rope_inv_freq(const ModelSpec& spec) {
 namespace {
 template <typename T>
 void rope_impl(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-               bool inverse, int64_t tokens, int64_t heads, T* x, int64_t ld) {
+               bool inverse, int64_t tokens, int64_t heads, T* x, int64_t ld,
+               const int64_t* offsets) {
   const int64_t dim = spec.head_dim, half = dim / 2;
   const bool interleaved = spec.rope_style == RopeStyle::kInterleaved;
 #pragma omp parallel if (tokens * heads * dim >= kParallelElements)
@@ -169,7 +171,7 @@ void rope_impl(const ModelSpec& spec, const std::vector<double>& inv_freq, int64
   std::vector<T> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < tokens; ++t) {
-    const double pos = static_cast<double>(start_pos + t);
+    const double pos = static_cast<double>(start_pos + (offsets ? offsets[t] : t));
     for (int64_t i = 0; i < half; ++i) {
       const double angle = pos * inv_freq[static_cast<size_t>(i)];  // angles in float64
       cs[static_cast<size_t>(i)] = static_cast<T>(std::cos(angle));
@@ -192,12 +194,14 @@ void rope_impl(const ModelSpec& spec, const std::vector<double>& inv_freq, int64
 }  // namespace
 
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-                bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld) {
-  rope_impl(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld);
+                bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld,
+                const int64_t* offsets) {
+  rope_impl(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld, offsets);
 }
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-                bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld) {
-  rope_impl(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld);
+                bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld,
+                const int64_t* offsets) {
+  rope_impl(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld, offsets);
 }
 
 }  // namespace kvbridge::detail

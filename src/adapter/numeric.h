@@ -18,8 +18,9 @@ uint16_t float_to_fp16(float value) noexcept;  // round to nearest even, overflo
 
 /// Copies plane [tokens, heads, dim] (any dtype, any strides) into `out`, dense row-major
 /// float32 with row length heads*dim: out[t * ld + h * dim + d], ld >= heads*dim.
+/// rows: nullptr, or the plane's token to read for each output row t (rows[t]; a gather).
 void load_plane(const KVPlane& plane, DType dtype, int64_t tokens, int64_t heads, int64_t dim,
-                float* out, int64_t ld);
+                float* out, int64_t ld, const int64_t* rows = nullptr);
 /// The inverse of load_plane: rounds `in` to `dtype` and writes the strided plane.
 void store_plane(const float* in, int64_t ld, DType dtype, int64_t tokens, int64_t heads,
                  int64_t dim, const KVPlane& plane);
@@ -40,11 +41,14 @@ inline void check_positions(int64_t start_pos, int64_t tokens) {
 }
 
 /// Rotates (inverse = false) or un-rotates (inverse = true) keys in place: rows of `x` are tokens
-/// at absolute positions start_pos + t, each `heads` heads of `spec.head_dim`, row stride ld.
+/// at absolute positions start_pos + t (start_pos + offsets[t] when offsets is given), each
+/// `heads` heads of `spec.head_dim`, row stride ld.
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-                bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld);
+                bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld,
+                const int64_t* offsets = nullptr);
 /// float64 version, the reference for tests.
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-                bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld);
+                bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld,
+                const int64_t* offsets = nullptr);
 
 }  // namespace kvbridge::detail
