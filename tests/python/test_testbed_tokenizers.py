@@ -1,7 +1,9 @@
 """The testbed's tokenizers (byte-level for testbed-a/b, BPE for testbed-c): offsets, roles,
 round trips, the plain-tokenizers and transformers views of testbed-c's file, spec rules."""
+import importlib.util
 import json
 import random
+import sys
 
 import pytest
 import torch
@@ -108,3 +110,75 @@ def test_bpe_file_loads_as_plain_tokenizers_and_transformers(bpe):
     assert fast(text)["input_ids"] == bpe.encode(text)
     assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (
         bpe.bos_id, bpe.eos_id, bpe.pad_id)
+
+
+def _vllm_options(monkeypatch):
+    """kvbridge/vllm/options.py (the connector's spec rule) without the vllm package: its
+    module imports kvbridge only, but the package's __init__ imports vLLM."""
+    path = testbed.MODELS_DIR.parents[1] / "vllm" / "options.py"
+    name = "kvbridge_vllm_options_under_test"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_testbed_c_spec_has_its_own_tokenizer_and_vllm_agrees(monkeypatch):
+    from transformers import AutoConfig
+
+    c, a = testbed.load_model("testbed-c"), testbed.load_model("testbed-a")
+    assert type(c.model).__name__ == "Qwen3ForCausalLM"
+    assert c.tokenizer is testbed.load_tokenizer("testbed-c")
+    assert c.spec.tokenizer == c.tokenizer.id == specs.tokenizer_id(c.path)
+    assert c.spec.tokenizer.startswith("tok-") and c.spec.tokenizer != a.spec.tokenizer
+    assert c.spec.version == specs.weights_version(c.path) != a.spec.version
+    assert (c.spec.num_layers, c.spec.num_kv_heads, c.spec.head_dim, c.spec.rope_base) == (
+        4, 2, 40, 1e6)
+    assert c.model.config.vocab_size == c.tokenizer.vocab_size
+    options = _vllm_options(monkeypatch)
+    engine = options.engine_spec(AutoConfig.from_pretrained(c.path), str(c.path),
+                                 str(testbed.tokenizer_folder("testbed-c")), ["testbed-c"],
+                                 torch.float32, "auto", options.parse_options({}, 32))
+    assert engine == c.spec
+    # vLLM given no tokenizer folder falls back to the model folder: the same id for testbed-c
+    engine = options.engine_spec(AutoConfig.from_pretrained(c.path), str(c.path), None,
+                                 ["testbed-c"], torch.float32, "auto",
+                                 options.parse_options({}, 32))
+    assert engine == c.spec
+
+
+def test_load_pair_of_different_tokenizers():
+    pair = testbed.load_pair("testbed-a", "testbed-c")
+    assert pair.tokenizer is None
+    assert pair.source.tokenizer.id != pair.target.tokenizer.id
+    assert testbed.load_pair().tokenizer is testbed.load_tokenizer("testbed-a")
+    with pytest.raises(ValueError, match="both"):
+        testbed.load_pair("testbed-c", "testbed-c")
+
+
+def test_per_byte_loss_equals_per_token_loss_for_bytes_and_differs_for_bpe():
+    texts = testbed.texts("heldout")[:12]
+    a, c = testbed.load_model("testbed-a"), testbed.load_model("testbed-c")
+    assert testbed.sequence_loss(a, texts, per="byte") == pytest.approx(
+        testbed.sequence_loss(a, texts), rel=1e-12)
+    per_token, per_byte = (testbed.sequence_loss(c, texts, per=p) for p in ("token", "byte"))
+    assert per_token > 1.5 * per_byte  # a BPE token stands for more than one byte
+    with pytest.raises(ValueError, match="per"):
+        testbed.sequence_loss(c, texts, per="char")
+
+
+def test_testbed_c_losses_match_the_training_record():
+    record = json.loads((testbed.MODELS_DIR / "TRAINING.json").read_text())
+    info = record["models"]["testbed-c"]
+    c = testbed.load_model("testbed-c")
+    assert info["class"] == "Qwen3ForCausalLM" and info["version"] == c.spec.version
+    assert info["tokenizer"]["id"] == c.tokenizer.id
+    assert info["tokenizer"]["vocab_size"] == c.tokenizer.vocab_size
+    check = testbed.texts("heldout")[:testbed.CHECK_FORTUNES]
+    assert info["heldout_loss_check_fortunes"] == len(check)
+    # Same weights, same float32 forward; only the thread count may change the rounding.
+    assert testbed.sequence_loss(c, check) == pytest.approx(info["heldout_loss_check"], abs=1e-3)
+    # Per byte, testbed-c is within 15% of testbed-a (the byte-level model of the same corpus).
+    a_per_byte = record["models"]["testbed-a"]["heldout_loss"]  # per token = per byte for a
+    assert abs(info["heldout_loss_per_byte"] - a_per_byte) < 0.15 * a_per_byte
