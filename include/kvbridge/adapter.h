@@ -163,7 +163,9 @@ class LinearAdapter {
   /// Writes the adapter as a safetensors file (atomically: temporary file, fsync, rename).
   /// Tensors "layers.{j}.{key,value}.{weight,bias}" (float32) and metadata: format
   /// "kvbridge.adapter", format_version "2", both ModelSpecs, the layer map, rope settings, the
-  /// fit report (JSON strings) and "checksum" (fingerprint()). Throws Unavailable on I/O failure.
+  /// fit report (JSON strings) and "checksum" (fingerprint()). An adapter between tokenizers
+  /// (report().alignment_policy not empty) is written as format_version "3" with the extra key
+  /// "alignment_policy" (both tokenizer ids are in the specs). Throws Unavailable on I/O failure.
   void save(const std::string& path) const;
   /// Reads and validates a file written by save (or by any safetensors writer with the same
   /// metadata strings and tensors: the checksum covers content, not the header's layout).
@@ -171,7 +173,8 @@ class LinearAdapter {
   /// for anything else: not a regular file, a header longer than the file, a checksum that does
   /// not match (any damaged byte, an edited report, swapped source and target specs), a missing
   /// checksum (format_version "1" files and writers that drop it) unless
-  /// options.allow_unchecked, unknown format or version, specs or layer map that do not parse,
+  /// options.allow_unchecked, unknown format or version, an alignment_policy that is not a
+  /// policy name or that a version other than "3" carries (or a version "3" file without one), specs or layer map that do not parse,
   /// a fit report out of range (R² not finite or > 1, ridge not finite or < 0, negative token
   /// counts), missing, extra or mis-shaped tensors, non-float32 dtypes, non-finite weights.
   static LinearAdapter load(const std::string& path, const AdapterLoadOptions& options = {});

@@ -33,6 +33,12 @@ class LinearAdapter:
         """Held-out R² per target layer for K and V, chosen ridge and source layers, token counts."""
         return self._native.report
 
+    @property
+    def alignment_policy(self) -> str:
+        """The alignment policy the adapter was fitted with ("" for one shared tokenizer);
+        conversions across tokenizers take alignments of this policy (kvbridge.align)."""
+        return self._native.report["alignment_policy"]
+
     def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """Writes the adapter as a safetensors file with JSON metadata (atomic)."""
         self._native.save(os.fspath(path))

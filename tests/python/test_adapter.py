@@ -194,7 +194,8 @@ def test_file_is_plain_safetensors(fitted, tmp_path):
         return p
 
     cases = [
-        (lambda m: m.update(format_version="3"), None, "format_version"),
+        (lambda m: m.update(format_version="4"), None, "format_version"),
+        (lambda m: m.update(alignment_policy="seen"), None, "alignment_policy"),
         (lambda m: m.update(source_spec="{not json"), None, "source_spec"),
         (lambda m: m.pop("layer_map"), None, "layer_map"),
         (lambda m: m.update(layer_map="[[0], [0, 1], [7]]"), None, "layer_map"),

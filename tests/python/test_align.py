@@ -229,3 +229,48 @@ def test_planted_map_through_two_tokenizations(bpe, direction):
         adapter.convert(src, alignment=[0.5])
     with pytest.raises(kvbridge.InvalidArgumentError, match="policy"):
         kvbridge.AdapterFitter(SRC, TGT, alignment_policy="nearest")
+
+
+def test_aligned_adapter_file_records_the_policy(bpe, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from test_adapter import adapter_checksum
+
+    byte_tok = testbed.load_tokenizer()
+    fitter = kvbridge.AdapterFitter(SRC, TGT, alignment_policy="covering")
+    g = torch.Generator().manual_seed(4)
+    weights = [tuple(torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
+                     for shape in ((64, 12), (12,), (64, 12), (12,))) for _ in range(3)]
+    for i, text in enumerate(testbed.texts("train")[:12]):
+        al = kvbridge.align_text(byte_tok, bpe, text, policy="covering")
+        fitter.add(*_planted(weights, len(al.source_ids), al.index, 0, seed=i),
+                   alignment=al.index)
+    adapter = fitter.fit()
+    assert adapter.alignment_policy == "covering"
+    path = tmp_path / "aligned.safetensors"
+    adapter.save(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    assert meta["format_version"] == "3" and meta["alignment_policy"] == "covering"
+    loaded = kvbridge.LinearAdapter.load(path)
+    assert loaded.alignment_policy == "covering" and loaded.fingerprint == adapter.fingerprint
+
+    def rewrite(mutate, fix_checksum=True):
+        m = dict(meta)
+        mutate(m)
+        if fix_checksum:
+            m["checksum"] = adapter_checksum(m, tensors)
+        p = tmp_path / "bad.safetensors"
+        save_file(tensors, str(p), metadata=m)
+        return p
+
+    for mutate, needle in [
+        (lambda m: m.update(alignment_policy="nearest"), "policy"),
+        (lambda m: m.pop("alignment_policy"), "alignment_policy"),
+        (lambda m: m.update(format_version="2"), "alignment_policy"),
+    ]:
+        with pytest.raises(kvbridge.CorruptError, match=needle):
+            kvbridge.LinearAdapter.load(rewrite(mutate))
+    with pytest.raises(kvbridge.CorruptError, match="checksum"):
+        kvbridge.LinearAdapter.load(rewrite(lambda m: m.update(alignment_policy="seen"), False))
