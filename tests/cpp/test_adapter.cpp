@@ -424,23 +424,55 @@ void fill_normal(HFKV& kv, const ModelSpec& spec, int64_t tokens, uint32_t seed)
     }
 }
 
+// An adapter on odd shapes (explicit, non-consecutive source layer sets) fitted on normal data.
+struct OddPair {
+  ModelSpec source, target;
+  LinearAdapter adapter;
+  explicit OddPair(DType dtype)
+      : source(make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf, dtype)),
+        target(make_spec("tgt", 4, 1, 14, 30000.0, RopeStyle::kInterleaved, dtype)),
+        adapter(fit(source, target)) {}
+  static LinearAdapter fit(const ModelSpec& source, const ModelSpec& target) {
+    FitOptions o;
+    o.selection = FitOptions::Selection::kExplicit;
+    o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
+    AdapterFitter fitter(source, target, o);
+    HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
+    fill_normal(fs, source, 211, 5);
+    fill_normal(ft, target, 211, 6);
+    fitter.add(fs.view(), ft.view(), 0);
+    return fitter.fit();
+  }
+};
+
+// Every plane of `fast` within the float32 path's tolerance for `dtype` of the reference's
+// largest magnitude (per plane).
+void expect_near_reference(const KVView& fast, const KVView& ref, DType dtype) {
+  const double tol = dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 4e-3;
+  const int64_t T = ref.tokens(), w = ref.kv_heads() * ref.head_dim();
+  std::vector<float> a(static_cast<size_t>(T * w)), b(a.size());
+  for (int64_t l = 0; l < ref.num_layers(); ++l)
+    for (int k = 0; k < 2; ++k) {
+      const auto kind = static_cast<KVView::Kind>(k);
+      detail::load_plane(fast.plane(l, kind), dtype, T, ref.kv_heads(), ref.head_dim(), a.data(), w);
+      detail::load_plane(ref.plane(l, kind), dtype, T, ref.kv_heads(), ref.head_dim(), b.data(), w);
+      double scale = 0;
+      for (float v : b) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+      ASSERT_GT(scale, 0.0);
+      for (size_t i = 0; i < a.size(); ++i)
+        ASSERT_NEAR(a[i], b[i], tol * scale) << l << " " << k << " " << i;
+    }
+}
+
 // (dtype, tokens): 37 tokens convert in one block; 211 in several (the float32 path blocks
 // tokens to bound its memory, the float64 reference does not), the last one shorter.
 class ConvertVsReference : public ::testing::TestWithParam<std::tuple<DType, int64_t>> {};
 
 TEST_P(ConvertVsReference, StridedOddSizes) {
   const DType dtype = std::get<0>(GetParam());
-  ModelSpec source = make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf, dtype);
-  ModelSpec target = make_spec("tgt", 4, 1, 14, 30000.0, RopeStyle::kInterleaved, dtype);
-  FitOptions o;
-  o.selection = FitOptions::Selection::kExplicit;
-  o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
-  AdapterFitter fitter(source, target, o);
-  HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
-  fill_normal(fs, source, 211, 5);
-  fill_normal(ft, target, 211, 6);
-  fitter.add(fs.view(), ft.view(), 0);
-  const LinearAdapter adapter = fitter.fit();
+  const OddPair pair(dtype);
+  const ModelSpec &source = pair.source, &target = pair.target;
+  const LinearAdapter& adapter = pair.adapter;
 
   const int64_t T = std::get<1>(GetParam()), start = 1001;
   HFKV src(source, T, 3, 7);
@@ -448,17 +480,7 @@ TEST_P(ConvertVsReference, StridedOddSizes) {
   HFKV fast(target, T, 2, 1), ref(target, T, 0, 2);
   adapter.convert(src.view(), start, fast.view());
   adapter.convert_reference(src.view(), start, ref.view());
-  const double tol = dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 4e-3;
-  std::vector<float> a(static_cast<size_t>(T * 14)), b(a.size());
-  for (int64_t l = 0; l < 4; ++l)
-    for (int k = 0; k < 2; ++k) {
-      detail::load_plane(fast.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14, a.data(), 14);
-      detail::load_plane(ref.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14, b.data(), 14);
-      double scale = 0;
-      for (float v : b) scale = std::max(scale, static_cast<double>(std::fabs(v)));
-      ASSERT_GT(scale, 0.0);
-      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], tol * scale) << l << " " << k << " " << i;
-    }
+  expect_near_reference(fast.view(), ref.view(), dtype);
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypes, ConvertVsReference,
@@ -654,17 +676,9 @@ class AlignedConvertVsReference
 
 TEST_P(AlignedConvertVsReference, StridedOddSizes) {
   const DType dtype = std::get<0>(GetParam());
-  ModelSpec source = make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf, dtype);
-  ModelSpec target = make_spec("tgt", 4, 1, 14, 30000.0, RopeStyle::kInterleaved, dtype);
-  FitOptions o;
-  o.selection = FitOptions::Selection::kExplicit;
-  o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
-  AdapterFitter fitter(source, target, o);
-  HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
-  fill_normal(fs, source, 211, 5);
-  fill_normal(ft, target, 211, 6);
-  fitter.add(fs.view(), ft.view(), 0);
-  const LinearAdapter adapter = fitter.fit();
+  const OddPair pair(dtype);
+  const ModelSpec &source = pair.source, &target = pair.target;
+  const LinearAdapter& adapter = pair.adapter;
 
   const int64_t T = std::get<1>(GetParam()), S = T / 2 + 17, start = 1001, tstart = 77;
   std::vector<int64_t> rows = tokenization_alignment(S, T, 9);
@@ -689,20 +703,7 @@ TEST_P(AlignedConvertVsReference, StridedOddSizes) {
         for (size_t i = 0; i < b.size(); ++i) ASSERT_NEAR(b[i], p[i], 1e-5 * (1 + std::fabs(p[i])));
       }
   }
-  const double tol = dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 4e-3;
-  std::vector<float> a(static_cast<size_t>(T * 14)), b(a.size());
-  for (int64_t l = 0; l < 4; ++l)
-    for (int k = 0; k < 2; ++k) {
-      detail::load_plane(fast.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14,
-                         a.data(), 14);
-      detail::load_plane(ref.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14,
-                         b.data(), 14);
-      double scale = 0;
-      for (float v : b) scale = std::max(scale, static_cast<double>(std::fabs(v)));
-      ASSERT_GT(scale, 0.0);
-      for (size_t i = 0; i < a.size(); ++i)
-        ASSERT_NEAR(a[i], b[i], tol * scale) << l << " " << k << " " << i;
-    }
+  expect_near_reference(fast.view(), ref.view(), dtype);
   // The identity alignment at equal positions is the plain convert, bit for bit.
   if (S >= T) return;
   std::vector<int64_t> identity(static_cast<size_t>(S));

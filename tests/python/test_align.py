@@ -9,6 +9,7 @@ import torch
 
 import kvbridge
 from kvbridge import testbed
+from test_adapter import planted_sample, planted_weights
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -170,32 +171,16 @@ TGT = kvbridge.ModelSpec("tgt", 3, 3, 4, rope_base=50000.0, rope_style="interlea
 
 
 def _planted(weights, n_source, index, start_pos, seed):
-    """Source KV for n_source tokens (position-free random, keys rotated at start_pos + i) and the
-    target KV of the planted map applied to source token index[j] (keys at start_pos + j)."""
-    from test_adapter import rope
-    g = torch.Generator().manual_seed(seed)
-    free = [(torch.randn(1, 2, n_source, 8, generator=g, dtype=torch.float64),
-             torch.randn(1, 2, n_source, 8, generator=g, dtype=torch.float64)) for _ in range(2)]
-    x = torch.cat([t.transpose(1, 2).reshape(n_source, 16) for pair in free for t in pair], dim=1)
-    x = x[torch.as_tensor(index).clamp(min=0)]  # -1 rows: any row; the fit must skip them
-    n = len(index)
-    target = []
-    for w_k, b_k, w_v, b_v in weights:
-        k = (x @ w_k + b_k).reshape(1, n, 3, 4).transpose(1, 2)
-        v = (x @ w_v + b_v).reshape(1, n, 3, 4).transpose(1, 2)
-        target.append((rope(k, 50000.0, start_pos, "interleaved").float(), v.float()))
-    source = [(rope(k, 10000.0, start_pos, "half").float(), v.float()) for k, v in free]
-    return tuple(source), tuple(target)
-
+    """Source KV for n_source tokens and the planted target KV of source token index[j] for each
+    target token j (tests/python/test_adapter.py's planted_sample)."""
+    return planted_sample(weights, n_source, start_pos, seed, index=index)
 
 
 @pytest.mark.parametrize("direction", ["bytes->bpe", "bpe->bytes"])
 def test_planted_map_through_two_tokenizations(bpe, direction):
     byte_tok = testbed.load_tokenizer()
     src_tok, tgt_tok = (byte_tok, bpe) if direction == "bytes->bpe" else (bpe, byte_tok)
-    g = torch.Generator().manual_seed(3)
-    weights = [tuple(torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
-                     for shape in ((64, 12), (12,), (64, 12), (12,))) for _ in range(3)]
+    weights = planted_weights(3)
     fitter = kvbridge.AdapterFitter(SRC, TGT, alignment_policy="seen")
     texts = testbed.texts("train")[300:330]
     paired = 0
@@ -238,9 +223,7 @@ def test_aligned_adapter_file_records_the_policy(bpe, tmp_path):
 
     byte_tok = testbed.load_tokenizer()
     fitter = kvbridge.AdapterFitter(SRC, TGT, alignment_policy="covering")
-    g = torch.Generator().manual_seed(4)
-    weights = [tuple(torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
-                     for shape in ((64, 12), (12,), (64, 12), (12,))) for _ in range(3)]
+    weights = planted_weights(4)
     for i, text in enumerate(testbed.texts("train")[:12]):
         al = kvbridge.align_text(byte_tok, bpe, text, policy="covering")
         fitter.add(*_planted(weights, len(al.source_ids), al.index, 0, seed=i),

@@ -2,12 +2,12 @@
 byte tokenizer and a small BPE trained in test_align), through an adapter fitted on a planted map
 of aligned samples; round trips, prefixes the source has only partly, prompts whose decode and
 re-encode is not exact, and the refusals."""
-import numpy as np
 import pytest
 import torch
 
 import kvbridge
 from kvbridge import testbed
+from test_adapter import planted_weights
 from test_align import _planted, bpe  # noqa: F401  (bpe is a fixture)
 
 BYTE = testbed.load_tokenizer()
@@ -19,9 +19,7 @@ TGT = kvbridge.ModelSpec("tgt", 3, 3, 4, rope_base=50000.0, rope_style="interlea
 
 @pytest.fixture(scope="module")
 def planted(bpe):  # noqa: F811
-    g = torch.Generator().manual_seed(11)
-    weights = [tuple(torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
-                     for shape in ((64, 12), (12,), (64, 12), (12,))) for _ in range(3)]
+    weights = planted_weights(11)
     fitter = kvbridge.AdapterFitter(SRC, TGT, alignment_policy="seen")
     for i, text in enumerate(testbed.texts("train")[:40]):
         al = kvbridge.align_text(BYTE, bpe, text)
@@ -91,9 +89,7 @@ def test_reverse_direction_and_native_prefix(bpe):  # noqa: F811
                                   tokenizer="bpe-test")
     tgt_spec = kvbridge.ModelSpec("tgt", 3, 3, 4, rope_base=50000.0, rope_style="interleaved",
                                   tokenizer=BYTE.id)
-    g = torch.Generator().manual_seed(2)
-    weights = [tuple(torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
-                     for shape in ((64, 12), (12,), (64, 12), (12,))) for _ in range(3)]
+    weights = planted_weights(2)
     fitter = kvbridge.AdapterFitter(src_spec, tgt_spec, alignment_policy="covering")
     for i, text in enumerate(testbed.texts("train")[:40]):
         al = kvbridge.align_text(bpe, BYTE, text, policy="covering")
