@@ -53,6 +53,10 @@ class Bridge:
     target layer's key and value maps of its fit report; adapters under `min_quality` may be
     registered but are never used (stats()["adapters_skipped_quality"] counts each pass-over).
 
+    Models with different tokenizers: register each model's tokenizer (add_tokenizer) and an
+    adapter fitted on aligned samples (AdapterFitter(alignment_policy=...)); load() then also
+    serves the target from the source's cache of the same text (see load()).
+
     store: the KVStore to use (kept alive by the bridge).
     min_quality: quality floor for adapters; float("-inf") disables the gate.
     write_back: store converted prefixes as the target's own entries.
@@ -168,6 +172,14 @@ class Bridge:
              return_kv: bool = True,
              device: Union[str, torch.device, None] = None, as_cache: bool = False) -> Load:
         """The longest usable prefix of `tokens` for `spec` (see the class docstring).
+
+        Across tokenizers (spec has a tokenizer registered and an adapter to it comes from
+        another tokenizer): the prompt is decoded and encoded again; only the prefix whose round
+        trip reproduces its ids and text is served that way (the rest counts in
+        stats()["unverified_tokens"]). That text is tokenized with each source's registered
+        tokenizer, the source's cached prefix is found, and the longest target prefix whose
+        tokens all have an aligned source token in it and whose text it covers is converted
+        (include/kvbridge/bridge.h, the load overload with tokenizations) and written back.
 
         Empty and one-token prompts are misses. return_kv=False reports the length only (a
         conversion, if one is needed, still runs and is written back). device: where the returned
