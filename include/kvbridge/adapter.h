@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "kvbridge/align.h"
 #include "kvbridge/kv_view.h"
 #include "kvbridge/model_spec.h"
 
@@ -29,6 +30,10 @@ struct FitOptions {
   std::vector<std::vector<int64_t>> source_layers;  ///< kExplicit only; one list per target layer
   int64_t max_source_layers = 8;  ///< kAuto: most layers one target layer may draw on
   bool rope_aware = true;         ///< false: map post-RoPE keys directly (an ablation)
+  /// The alignment policy (align.h: "seen", "covering") the samples of a pair with different
+  /// tokenizers are aligned with; "" (the default) for a pair sharing one tokenizer. Recorded in
+  /// the report and the adapter file; the fitter itself takes the alignments given to add().
+  std::string alignment_policy;
   /// Ridge strengths relative to the mean feature variance; the best on held-out tokens is chosen
   /// per map. A single value fixes it.
   std::vector<double> ridge_grid = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0};
@@ -51,6 +56,7 @@ struct FitReport {
   int64_t train_tokens = 0;
   int64_t holdout_tokens = 0;
   bool rope_aware = true;
+  std::string alignment_policy;  ///< FitOptions::alignment_policy of the fit
 };
 
 /// How LinearAdapter::load treats a file.
@@ -125,11 +131,32 @@ class LinearAdapter {
   /// device. Views that do not match are rejected before any memory is touched.
   void convert(const KVView& src, int64_t start_pos, const KVView& dst, void* cuda_stream) const;
 
+  /// Conversion across tokenizers (the source and target tokenize one text differently; see
+  /// align.h), on the CPU or a CUDA device like the overloads above.
+  /// src: source tokens at absolute positions start_pos, start_pos + 1, ...
+  /// dst: target tokens at absolute positions target_start_pos, target_start_pos + 1, ...; its
+  ///      token count is alignment.size() and may differ from src's.
+  /// alignment: per target token j the source token index alignment[j] in [0, src.tokens()) it
+  ///      is computed from (kNoSource is refused: convert only the target tokens that have a
+  ///      source token). Output token j is the map applied to source token alignment[j], its keys
+  ///      un-rotated at start_pos + alignment[j] and the result's re-rotated at
+  ///      target_start_pos + j. Entries may repeat and need not be ordered.
+  /// Arithmetic, blocking, memory and the CUDA path's stream semantics as above (blocks are
+  /// blocks of target tokens; the CUDA path copies each block's alignment entries to the device
+  /// from the host vector, stream-ordered, before the call returns). Throws InvalidArgument also
+  /// for an alignment of the wrong length or with an entry out of range.
+  void convert(const KVView& src, int64_t start_pos, const KVView& dst,
+               const std::vector<int64_t>& alignment, int64_t target_start_pos,
+               void* cuda_stream = nullptr) const;
+
   /// float64 reference of convert (for tests and validation): same contract for CPU views,
   /// computed in double and rounded once at the end, all tokens in one block (its working
   /// memory is float64: one source layer's features and one target layer's planes for the whole
   /// input). Throws InvalidArgument for CUDA views.
   void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst) const;
+  /// float64 reference of the aligned convert.
+  void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst,
+                         const std::vector<int64_t>& alignment, int64_t target_start_pos) const;
 
   /// 32 lowercase hex digits identifying this adapter's content: the checksum save() writes
   /// (XXH3-128 over its metadata, which holds both ModelSpecs in their roles, the layer map and
@@ -140,7 +167,9 @@ class LinearAdapter {
   /// Writes the adapter as a safetensors file (atomically: temporary file, fsync, rename).
   /// Tensors "layers.{j}.{key,value}.{weight,bias}" (float32) and metadata: format
   /// "kvbridge.adapter", format_version "2", both ModelSpecs, the layer map, rope settings, the
-  /// fit report (JSON strings) and "checksum" (fingerprint()). Throws Unavailable on I/O failure.
+  /// fit report (JSON strings) and "checksum" (fingerprint()). An adapter between tokenizers
+  /// (report().alignment_policy not empty) is written as format_version "3" with the extra key
+  /// "alignment_policy" (both tokenizer ids are in the specs). Throws Unavailable on I/O failure.
   void save(const std::string& path) const;
   /// Reads and validates a file written by save (or by any safetensors writer with the same
   /// metadata strings and tensors: the checksum covers content, not the header's layout).
@@ -148,7 +177,8 @@ class LinearAdapter {
   /// for anything else: not a regular file, a header longer than the file, a checksum that does
   /// not match (any damaged byte, an edited report, swapped source and target specs), a missing
   /// checksum (format_version "1" files and writers that drop it) unless
-  /// options.allow_unchecked, unknown format or version, specs or layer map that do not parse,
+  /// options.allow_unchecked, unknown format or version, an alignment_policy that is not a
+  /// policy name or that a version other than "3" carries (or a version "3" file without one), specs or layer map that do not parse,
   /// a fit report out of range (R² not finite or > 1, ridge not finite or < 0, negative token
   /// counts), missing, extra or mis-shaped tensors, non-float32 dtypes, non-finite weights.
   static LinearAdapter load(const std::string& path, const AdapterLoadOptions& options = {});
@@ -163,6 +193,9 @@ class LinearAdapter {
  private:
   friend class AdapterFitter;
   explicit LinearAdapter(std::unique_ptr<Impl> impl);
+  void convert_dispatch(const KVView& src, int64_t start_pos, const KVView& dst,
+                        const std::vector<int64_t>* alignment, int64_t target_start_pos,
+                        void* cuda_stream) const;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -213,6 +246,16 @@ class AdapterFitter {
   /// count, for the same tokens at absolute positions start_pos, start_pos + 1, ...
   /// Throws InvalidArgument on mismatch or on non-finite values (nothing is accumulated then).
   void add(const KVView& src, const KVView& tgt, int64_t start_pos = 0);
+  /// Adds one sequence of a pair with different tokenizers (two tokenizations of one text):
+  /// alignment holds one entry per target token (tgt.tokens() of them), a source token index in
+  /// [0, src.tokens()) or kNoSource (align.h). Target token j (at absolute position
+  /// start_pos + j) is paired with source token alignment[j] (its keys un-rotated at the source
+  /// position start_pos + alignment[j]); target tokens with kNoSource are skipped. The token
+  /// counts of src and tgt may differ. Memory and time as add() with tokens = the paired tokens
+  /// (plus the un-rotated rows of every source token). Throws InvalidArgument as add(), and for an
+  /// alignment of the wrong length or with an entry out of range (nothing is accumulated then).
+  void add(const KVView& src, const KVView& tgt, int64_t start_pos,
+           const std::vector<int64_t>& alignment);
 
   /// 1, or 2 when a probe pass runs first (see above).
   int passes() const noexcept;
@@ -237,6 +280,8 @@ class AdapterFitter {
   LinearAdapter fit() const;
 
  private:
+  void add_impl(const KVView& src, const KVView& tgt, int64_t start_pos,
+                const std::vector<int64_t>* alignment);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -5,7 +5,8 @@
 // Load policy, for a target spec T and prompt tokens[0, n):
 //  - Candidates: T's own cached prefix (length p_T), and for every registered adapter S -> T
 //    (exact fingerprints, equal non-empty tokenizer ids, quality >= min_quality) S's cached
-//    prefix (length p_S), all in the same namespace.
+//    prefix (length p_S), all in the same namespace. With the prompt's text tokenization (the
+//    second load overload) also adapters between different tokenizers: see there.
 //  - The longest wins. A converted candidate must be strictly longer than the native one; ties
 //    between adapters go to the higher quality, then to the earlier registered.
 //  - When a converted candidate wins, the native prefix is kept as it is and only source tokens
@@ -45,12 +46,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "kvbridge/adapter.h"
+#include "kvbridge/align.h"
 #include "kvbridge/kv_store.h"
 #include "kvbridge/kv_view.h"
 #include "kvbridge/model_spec.h"
@@ -119,6 +122,10 @@ struct BridgeStats {
   /// Per load, adapters whose target has the load spec's name but another fingerprint (a stale
   /// adapter after a model update: never used, since adapters match by exact fingerprint).
   int64_t adapters_skipped_stale = 0;
+  int64_t cross_tokenizer_loads = 0;     ///< load() calls given a target tokenization
+  /// Per such load, prompt tokens past its verified prefix (never served across tokenizers).
+  int64_t unverified_tokens = 0;
+  int64_t aligned_hits = 0;              ///< of converted_hits, those across tokenizers
   int64_t adapters = 0;                  ///< adapters registered now
   int64_t adapters_below_quality = 0;    ///< of which under min_quality now
   int64_t adapters_disabled = 0;         ///< of which disabled now (checks or disable_adapter)
@@ -177,6 +184,19 @@ class Load {
   std::string converted_from_, adapter_;
 };
 
+/// One text's tokenization by one tokenizer: token ids with their UTF-8 byte spans in the text
+/// and roles ("" ordinary; see align.h).
+struct Tokenization {
+  std::vector<int64_t> ids;
+  std::vector<TextSpan> spans;     ///< one per id
+  std::vector<std::string> roles;  ///< empty (all ordinary) or one per id
+};
+
+/// Tokenizes the load's text with the tokenizer whose id is given (a source model's ModelSpec
+/// tokenizer id) into `out`; returns false when the caller has no such tokenizer. Called at most
+/// once per tokenizer id per load, on the loading thread.
+using TokenizeText = std::function<bool(const std::string& tokenizer_id, Tokenization& out)>;
+
 class Bridge {
  public:
   /// `store` is borrowed: it must outlive the Bridge. Throws InvalidArgument for a NaN
@@ -190,8 +210,11 @@ class Bridge {
   KVStore& store() const noexcept;
 
   /// Registers an adapter source() -> target() (shared: the caller may keep its reference).
-  /// Throws InvalidArgument for a null adapter, source == target, an empty or differing
-  /// tokenizer id, or a pair already registered unless `replace` (which then swaps it in).
+  /// Throws InvalidArgument for a null adapter, source == target, an empty tokenizer id,
+  /// differing tokenizer ids without an alignment policy (report().alignment_policy: only an
+  /// adapter fitted on aligned samples can serve another tokenizer, and only through the load
+  /// overload that takes the text's tokenizations), or a pair already registered unless
+  /// `replace` (which then swaps it in).
   /// Adapters under min_quality are accepted but never used. Replacing an adapter by one with
   /// another fingerprint purges the replaced one's written-back entries (invalidate_adapter).
   void add_adapter(std::shared_ptr<const LinearAdapter> adapter, bool replace = false);
@@ -230,6 +253,27 @@ class Bridge {
   /// outside [0, 2^32).
   Load load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns = "default");
 
+  /// As above, and also from models with other tokenizers (the caller tokenizes; Python's
+  /// Bridge.load does it for tokenizers registered with add_tokenizer).
+  /// target: the text of the prompt as the target's tokenizer gives it, for the verified prefix
+  ///     of `tokens`: target.ids must equal tokens[0, target.ids.size()), and the caller has
+  ///     checked that decoding those tokens and encoding the text again reproduces them (where it
+  ///     does not, pass only the part that does: the rest is never served across tokenizers and
+  ///     is counted in BridgeStats::unverified_tokens). Spans are byte ranges of that text.
+  /// tokenize: the same text under a source tokenizer (see TokenizeText).
+  /// Candidates are those of load() plus, for every usable adapter S -> spec whose source has
+  /// another tokenizer id (add_adapter lets only adapters with an alignment policy in), S's cached
+  /// prefix of tokenize(S.tokenizer)'s ids. Its target tokens are aligned with the adapter's
+  /// policy (align()), and the candidate is the longest target prefix (at most the verified part
+  /// and n - 1) in which every token has a source token inside S's cached prefix and ends within
+  /// the text those cached source tokens cover. The winner is chosen, converted (the target
+  /// tokens past the native prefix, each from its aligned source token, keys re-rotated at their
+  /// target positions) and written back as for load(). Throws InvalidArgument as load(), for a
+  /// target tokenization that is not a prefix of tokens, or a tokenization whose spans or roles
+  /// do not match its ids or are malformed (align()).
+  Load load(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
+            const TokenizeText& tokenize, std::string_view ns = "default");
+
   BridgeStats stats() const;
   /// The stats in Prometheus text exposition format (version 0.0.4), one family per counter:
   /// kvbridge_bridge_{saves,loads,native_hits,converted_hits,misses,conversions}_total,
@@ -245,6 +289,8 @@ class Bridge {
   std::string prometheus_text() const;
 
  private:
+  Load load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
+                 const TokenizeText* tokenize, std::string_view ns);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

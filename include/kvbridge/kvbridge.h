@@ -2,6 +2,7 @@
 #pragma once
 
 #include "kvbridge/adapter.h"
+#include "kvbridge/align.h"
 #include "kvbridge/bridge.h"
 #include "kvbridge/dtype.h"
 #include "kvbridge/error.h"

@@ -14,6 +14,7 @@ from kvbridge._core import (
     cuda_device_count,
 )
 from kvbridge._core import version as _version
+from kvbridge.align import ALIGN_POLICIES, TextAlignment, align, align_text, token_offsets
 from kvbridge.adapter import AdapterFitter, LinearAdapter, fit_adapter
 from kvbridge.bridge import Bridge, Load
 from kvbridge.store import KVStore, Match, prefix_hashes
@@ -22,6 +23,11 @@ from kvbridge import exact, monitor  # after bridge: monitor builds on it
 __version__ = _version()
 
 __all__ = [
+    "ALIGN_POLICIES",
+    "TextAlignment",
+    "align",
+    "align_text",
+    "token_offsets",
     "AdapterFitter",
     "Bridge",
     "LinearAdapter",

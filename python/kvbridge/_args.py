@@ -70,6 +70,20 @@ def text(name: str, value: Any) -> str:
     return value
 
 
+def alignment(name: str, value: Any) -> list:
+    """An alignment (kvbridge.align): a 1-D sequence or array of ints, as a list of ints."""
+    arr = np.asarray(value)
+    if arr.size == 0 and arr.ndim == 1:
+        return []
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise _core.InvalidArgumentError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > INT64_MAX:
+        raise _core.InvalidArgumentError(f"{name}: entries must fit int64")
+    return arr.astype(np.int64).tolist()
+
+
 def option(name: str, default: Any, value: Any) -> Any:
     """An options-struct field, checked as the kind of its default value."""
     if isinstance(default, bool):

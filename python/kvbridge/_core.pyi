@@ -1,5 +1,5 @@
 """Type stub for the native core. Use the kvbridge package's re-exports, not this module."""
-from typing import Dict, List, Sequence, Union, overload
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 
@@ -105,6 +105,10 @@ class KVStore:
     def stats(self) -> Dict[str, object]: ...
     def metrics_text(self) -> str: ...
 
+def align(source_starts: Sequence[int], source_ends: Sequence[int], target_starts: Sequence[int],
+          target_ends: Sequence[int], policy: str, source_roles: List[str],
+          target_roles: List[str]) -> np.ndarray: ...
+
 def prefix_hashes(spec: ModelSpec, tokens: Tokens, namespace: str,
                   chunk_tokens: int) -> List[str]: ...
 
@@ -118,6 +122,7 @@ class FitOptions:
     source_layers: List[List[int]]
     max_source_layers: int
     rope_aware: bool
+    alignment_policy: str
     ridge_grid: List[float]
     holdout: float
     seed: int
@@ -137,12 +142,15 @@ class LinearAdapter:
     def load(path: str, *, allow_unchecked: bool = False) -> "LinearAdapter": ...
     def convert(self, src_keys: List[TensorView], src_values: List[TensorView], start_pos: int,
                 dst_keys: List[TensorView], dst_values: List[TensorView],
-                reference: bool = False, stream: int = 0) -> None: ...
+                reference: bool = False, stream: int = 0,
+                alignment: Optional[Sequence[int]] = None,
+                target_start_pos: int = 0) -> None: ...
 
 class AdapterFitter:
     def __init__(self, source: ModelSpec, target: ModelSpec, options: FitOptions) -> None: ...
     def add(self, src_keys: List[TensorView], src_values: List[TensorView],
-            tgt_keys: List[TensorView], tgt_values: List[TensorView], start_pos: int) -> None: ...
+            tgt_keys: List[TensorView], tgt_values: List[TensorView], start_pos: int,
+            alignment: Optional[Sequence[int]] = None) -> None: ...
     @property
     def train_tokens(self) -> int: ...
     @property
@@ -205,5 +213,10 @@ class Bridge:
     def save(self, spec: ModelSpec, tokens: Tokens, keys: List[TensorView],
              values: List[TensorView], namespace: str) -> int: ...
     def load(self, spec: ModelSpec, tokens: Tokens, namespace: str) -> BridgeLoad: ...
+    def load_across(self, spec: ModelSpec, tokens: Tokens,
+                    target: Tuple[List[int], List[int], List[int], List[str]],
+                    tokenize: Callable[[str], Optional[Tuple[List[int], List[int], List[int],
+                                                             List[str]]]],
+                    namespace: str) -> BridgeLoad: ...
     def stats(self) -> Dict[str, Union[int, float]]: ...
     def prometheus_text(self) -> str: ...

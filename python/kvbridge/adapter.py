@@ -33,6 +33,12 @@ class LinearAdapter:
         """Held-out R² per target layer for K and V, chosen ridge and source layers, token counts."""
         return self._native.report
 
+    @property
+    def alignment_policy(self) -> str:
+        """The alignment policy the adapter was fitted with ("" for one shared tokenizer);
+        conversions across tokenizers take alignments of this policy (kvbridge.align)."""
+        return self._native.report["alignment_policy"]
+
     def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """Writes the adapter as a safetensors file with JSON metadata (atomic)."""
         self._native.save(os.fspath(path))
@@ -51,13 +57,22 @@ class LinearAdapter:
         refused unless ``allow_unchecked=True``; save() them again to add one."""
         return cls(_core.LinearAdapter.load(os.fspath(path), allow_unchecked=allow_unchecked))
 
-    def convert(self, source_kv: KVCache, start_pos: int = 0, *,
+    def convert(self, source_kv: KVCache, start_pos: int = 0, alignment: Any = None,
+                target_start_pos: Optional[int] = None, *,
                 reference: bool = False, as_cache: Optional[bool] = None) -> KVCache:
         """The target model's KV for the same tokens, on the input's device.
 
         source_kv: legacy tuple of the source model (or a transformers DynamicCache),
             [1, kv_heads, tokens, head_dim] per tensor, the source spec's dtype, any strides, all
             on one device, tokens at absolute positions start_pos, start_pos + 1, ...
+        alignment: for a pair with different tokenizers, the source token of each target token
+            (kvbridge.align / align_text(...).index; ints, none -1: convert only the target
+            tokens that have a source token). Output token j is computed from source token
+            alignment[j] (keys un-rotated at start_pos + alignment[j], re-rotated at
+            target_start_pos + j); the output has len(alignment) tokens. None: token j from
+            source token j.
+        target_start_pos: absolute position of the output's first token with an alignment
+            (default start_pos).
         reference: compute in float64 on the CPU (slow; for validation); CUDA inputs are copied
             to the host and the result back.
         as_cache: return a transformers DynamicCache (True) or a legacy tuple (False); default:
@@ -72,25 +87,35 @@ class LinearAdapter:
         """
         if as_cache is None:
             as_cache = is_cache_object(source_kv)
-        out = self._convert(check_kv(source_kv), _args.position("start_pos", start_pos),
-                            _args.flag("reference", reference))
+        start_pos = _args.position("start_pos", start_pos)
+        target_start_pos = (start_pos if target_start_pos is None
+                            else _args.position("target_start_pos", target_start_pos))
+        if alignment is not None:
+            alignment = _args.alignment("alignment", alignment)
+        out = self._convert(check_kv(source_kv), start_pos, _args.flag("reference", reference),
+                            alignment, target_start_pos)
         return legacy_to_cache(out) if as_cache else out
 
-    def _convert(self, pairs, start_pos: int, reference: bool) -> KVCache:
+    def _convert(self, pairs, start_pos: int, reference: bool, alignment: Optional[List[int]] = None,
+                 target_start_pos: int = 0) -> KVCache:
         device = pairs[0][0].device
         tokens = pairs[0][0].shape[2] if pairs[0][0].dim() == 4 else 0
+        if alignment is not None:
+            tokens = len(alignment)
         if device.type == "cuda" and not reference and _core.cuda_device_count() > 0:
             out = empty_kv(self.target, tokens, device=device)
             src_k, src_v = kv_views(pairs)
             dst_k, dst_v = kv_views(out)
             stream = torch.cuda.current_stream(device).cuda_stream
-            self._native.convert(src_k, src_v, int(start_pos), dst_k, dst_v, False, stream)
+            self._native.convert(src_k, src_v, int(start_pos), dst_k, dst_v, False, stream,
+                                 alignment, target_start_pos)
             return out
         pairs = host_kv(pairs)
         out = empty_kv(self.target, tokens)
         src_k, src_v = kv_views(pairs)
         dst_k, dst_v = kv_views(out)
-        self._native.convert(src_k, src_v, int(start_pos), dst_k, dst_v, reference)
+        self._native.convert(src_k, src_v, int(start_pos), dst_k, dst_v, reference, 0, alignment,
+                             target_start_pos)
         if device.type != "cpu":
             out = tuple((k.to(device), v.to(device)) for k, v in out)
         return out
@@ -104,6 +129,10 @@ class AdapterFitter:
     rope_aware: map keys in position-free space (un-rotate source, rotate with the target RoPE).
     ridge: "auto" (chosen per map on held-out tokens from a grid) or a fixed relative strength.
     holdout: share of tokens held out for choosing layers and ridge and for the report.
+    alignment_policy: for a pair with different tokenizers, the policy ("seen", "covering";
+        kvbridge.align) the alignments given to add() were made with; "" (default) for a pair
+        sharing one tokenizer. Recorded in the report and the adapter file (kvbridge.Bridge
+        accepts an adapter between different tokenizers only when it names a policy).
     max_memory_bytes: bound on the float64 accumulators (default 8 GiB). When "auto" over all
         source layers would exceed it, the fitter takes two passes over the samples: a probe pass
         that ranks source layers per target layer, then `next_pass()` and the same samples again
@@ -115,7 +144,7 @@ class AdapterFitter:
                  source_layers: SourceLayers = "auto", rope_aware: bool = True,
                  ridge: Union[str, float] = "auto", holdout: float = 0.1,
                  max_source_layers: int = 8, seed: int = 0,
-                 max_memory_bytes: Optional[int] = None):
+                 max_memory_bytes: Optional[int] = None, alignment_policy: str = ""):
         opts = _core.FitOptions()
         if isinstance(source_layers, str):
             if source_layers not in ("auto", "all"):
@@ -134,6 +163,7 @@ class AdapterFitter:
         opts.holdout = _args.number("holdout", holdout)
         opts.max_source_layers = _args.size("max_source_layers", max_source_layers)
         opts.seed = _args.seed("seed", seed)
+        opts.alignment_policy = _args.text("alignment_policy", alignment_policy)
         if max_memory_bytes is not None:
             opts.max_memory_bytes = _args.size("max_memory_bytes", max_memory_bytes)
         self._native = _core.AdapterFitter(source_spec, target_spec, opts)
@@ -168,13 +198,22 @@ class AdapterFitter:
         """Per target layer, the source layers fit() chooses from (after the probe pass)."""
         return self._native.candidate_layers()
 
-    def add(self, source_kv: KVCache, target_kv: KVCache, start_pos: int = 0) -> None:
+    def add(self, source_kv: KVCache, target_kv: KVCache, start_pos: int = 0,
+            alignment: Any = None) -> None:
         """Adds both models' KV for the same tokens (legacy tuples or DynamicCaches, any device
-        and strides)."""
+        and strides), at absolute positions start_pos, start_pos + 1, ...
+
+        alignment: for two tokenizations of one text (models with different tokenizers), one
+            int per target token (kvbridge.align / align_text(...).index): target token j is
+            paired with source token alignment[j] (keys un-rotated at start_pos + alignment[j]);
+            -1 entries are skipped. The two caches' token counts may then differ.
+        """
+        if alignment is not None:
+            alignment = _args.alignment("alignment", alignment)
         src, tgt = host_kv(source_kv), host_kv(target_kv)
         sk, sv = kv_views(src)
         tk, tv = kv_views(tgt)
-        self._native.add(sk, sv, tk, tv, _args.position("start_pos", start_pos))
+        self._native.add(sk, sv, tk, tv, _args.position("start_pos", start_pos), alignment)
 
     def fit(self) -> LinearAdapter:
         return LinearAdapter(self._native.fit())
@@ -182,9 +221,13 @@ class AdapterFitter:
 
 def fit_adapter(source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
                 source_kv_fn: Callable[[Any], KVCache], target_kv_fn: Callable[[Any], KVCache],
-                batches: Iterable[Any], progress: bool = True, **fitter_options) -> LinearAdapter:
+                batches: Iterable[Any], progress: bool = True,
+                alignment_fn: Optional[Callable[[Any], Any]] = None,
+                **fitter_options) -> LinearAdapter:
     """Fits an adapter from two callables that return each model's KV for a token batch.
 
+    alignment_fn: for models with different tokenizers, a callable returning the batch's
+        alignment (AdapterFitter.add); pass alignment_policy= with it.
     batches: token batches (whatever the callables take), e.g. lists of token ids. When the
         fitter needs two passes (see AdapterFitter), they are iterated twice, so they must be a
         re-iterable collection (a list, say), not a one-shot iterator or generator.
@@ -209,7 +252,8 @@ def fit_adapter(source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
                 except ImportError:
                     pass
             for batch in items:
-                fitter.add(source_kv_fn(batch), target_kv_fn(batch))
+                fitter.add(source_kv_fn(batch), target_kv_fn(batch),
+                           alignment=None if alignment_fn is None else alignment_fn(batch))
     return fitter.fit()
 
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Union
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -10,6 +11,7 @@ from kvbridge import _args, _core
 from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
                                legacy_to_cache)
 from kvbridge.adapter import LinearAdapter
+from kvbridge.align import token_offsets
 from kvbridge.store import KVStore
 
 
@@ -51,6 +53,10 @@ class Bridge:
     target layer's key and value maps of its fit report; adapters under `min_quality` may be
     registered but are never used (stats()["adapters_skipped_quality"] counts each pass-over).
 
+    Models with different tokenizers: register each model's tokenizer (add_tokenizer) and an
+    adapter fitted on aligned samples (AdapterFitter(alignment_policy=...)); load() then also
+    serves the target from the source's cache of the same text (see load()).
+
     store: the KVStore to use (kept alive by the bridge).
     min_quality: quality floor for adapters; float("-inf") disables the gate.
     write_back: store converted prefixes as the target's own entries.
@@ -76,6 +82,8 @@ class Bridge:
             raise TypeError(f"store: expected a kvbridge.KVStore, got {type(store).__name__}")
         self._store = store
         self._exact_layers = _args.size("exact_layers", exact_layers)
+        self._tokenizers: Dict[str, Tuple[str, Any]] = {}  # model name -> (tokenizer id, tokenizer)
+        self._lock = threading.Lock()
         self._native = _core.Bridge(store._store, _args.number("min_quality", min_quality),
                                     _args.flag("write_back", write_back),
                                     _args.size("recompute_tail", recompute_tail),
@@ -115,14 +123,47 @@ class Bridge:
     def min_checks(self) -> int:
         return self._native.min_checks
 
+    def add_tokenizer(self, spec: _core.ModelSpec, tokenizer: Any) -> None:
+        """Registers the tokenizer of the model `spec` names, so that load() can serve it from
+        models with other tokenizers (and them from it) through adapters fitted on aligned
+        samples.
+
+        tokenizer: what kvbridge.token_offsets takes (a tokenizers.Tokenizer, a transformers fast
+            tokenizer, a testbed tokenizer) and that decodes ids (``decode``). It stands for
+            spec.tokenizer: when it carries an id of its own (``tokenizer_id`` or ``id``) that id
+            must equal spec.tokenizer. One tokenizer per model name; registering another one for
+            a name is a ValueError, the same one again is a no-op.
+        """
+        if not isinstance(spec, _core.ModelSpec):
+            raise TypeError(f"spec: expected a kvbridge.ModelSpec, got {type(spec).__name__}")
+        if not spec.tokenizer:
+            raise _core.InvalidArgumentError(f"add_tokenizer: {spec.name} has no tokenizer id")
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError("tokenizer: expected a tokenizer with decode(ids), got "
+                            f"{type(tokenizer).__name__}")
+        own = getattr(tokenizer, "tokenizer_id", None) or getattr(tokenizer, "id", None)
+        if isinstance(own, str) and own != spec.tokenizer:
+            raise _core.InvalidArgumentError(
+                f"add_tokenizer: the tokenizer's id {own!r} is not {spec.name}'s tokenizer id "
+                f"{spec.tokenizer!r}")
+        with self._lock:
+            known = self._tokenizers.get(spec.name)
+            if known is not None and (known[0] != spec.tokenizer or known[1] is not tokenizer):
+                raise _core.InvalidArgumentError(
+                    f"add_tokenizer: {spec.name} already has tokenizer {known[0]!r} registered")
+            self._tokenizers[spec.name] = (spec.tokenizer, tokenizer)
+
     def add_adapter(self, adapter: LinearAdapter, replace: bool = False, *,
                     source_model: Any = None, target_model: Any = None,
                     probe: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Registers adapter.source -> adapter.target.
 
         Raises ValueError when source and target are the same model, when their tokenizer ids
-        differ or are empty, or when the pair is already registered and `replace` is False.
-        Replacing an adapter by a different one purges what the old one wrote back.
+        are empty, or differ and the adapter has no alignment policy (one fitted on aligned
+        samples, AdapterFitter(alignment_policy=...)), when a tokenizer registered for either
+        model (add_tokenizer) has another id than the adapter's spec says, or when the pair is
+        already registered and `replace` is False. Replacing an adapter by a different one purges
+        what the old one wrote back.
 
         source_model, target_model: the two models (Hugging Face causal LMs). Given both, the
         adapter is first probed (kvbridge.monitor.probe_adapter: prompts sampled from the source
@@ -134,6 +175,13 @@ class Bridge:
             raise TypeError("adapter: expected a kvbridge.LinearAdapter, got "
                             f"{type(adapter).__name__}")
         replace = _args.flag("replace", replace)
+        with self._lock:
+            for spec in (adapter.source, adapter.target):
+                known = self._tokenizers.get(spec.name)
+                if known is not None and known[0] != spec.tokenizer:
+                    raise _core.InvalidArgumentError(
+                        f"add_adapter: the adapter's {spec.name} has tokenizer id "
+                        f"{spec.tokenizer!r}, but {known[0]!r} is registered for {spec.name}")
         if (source_model is None) != (target_model is None):
             raise TypeError("add_adapter: the probe needs both source_model and target_model")
         if source_model is not None:
@@ -206,6 +254,14 @@ class Bridge:
              model: Any = None) -> Load:
         """The longest usable prefix of `tokens` for `spec` (see the class docstring).
 
+        Across tokenizers (spec has a tokenizer registered and an adapter to it comes from
+        another tokenizer): the prompt is decoded and encoded again; only the prefix whose round
+        trip reproduces its ids and text is served that way (the rest counts in
+        stats()["unverified_tokens"]). That text is tokenized with each source's registered
+        tokenizer, the source's cached prefix is found, and the longest target prefix whose
+        tokens all have an aligned source token in it and whose text it covers is converted
+        (include/kvbridge/bridge.h, the load overload with tokenizations) and written back.
+
         Empty and one-token prompts are misses. return_kv=False reports the length only (a
         conversion, if one is needed, still runs and is written back). device: where the returned
         tensors live (default: CPU). as_cache: return the KV as a transformers DynamicCache.
@@ -214,7 +270,12 @@ class Bridge:
         the model's own forward (kvbridge.exact.exact_layers).
         """
         ids = as_tokens(tokens)
-        found = self._native.load(spec, ids, _args.text("namespace", namespace))
+        ns = _args.text("namespace", namespace)
+        across = self._across(spec, ids)
+        if across is None:
+            found = self._native.load(spec, ids, ns)
+        else:
+            found = self._native.load_across(spec, ids, across[0], across[1], ns)
         kv = None
         if found.tokens and return_kv:
             kv = empty_kv(spec, found.tokens)
@@ -230,6 +291,29 @@ class Bridge:
                 kv = legacy_to_cache(kv)
         return Load(found.tokens, kv, found.source, found.converted, found.native_tokens,
                     found.quality, found.converted_from, found.adapter)
+
+    def _across(self, spec: _core.ModelSpec, ids: Any):
+        """(target tokenization, source tokenize callback) for a load across tokenizers, or None
+        when `spec` has no registered tokenizer or no adapter to it comes from another one."""
+        with self._lock:
+            known = self._tokenizers.get(spec.name)
+            by_id = {tid: tok for tid, tok in self._tokenizers.values()}
+        if known is None or known[0] != spec.tokenizer:
+            return None
+        if not any(a.target.fingerprint == spec.fingerprint
+                   and a.source.tokenizer != spec.tokenizer for a in self.adapters()):
+            return None
+        tokenizer = known[1]
+        prompt = [int(i) for i in ids]
+        text, target = _verified_prefix(tokenizer, prompt)
+
+        def tokenize(tokenizer_id: str):
+            source = by_id.get(tokenizer_id)
+            if source is None:
+                return None
+            return _tokenization(*token_offsets(source, text))
+
+        return target, tokenize
 
     def stats(self) -> dict:
         """Counters and times: see BridgeStats in include/kvbridge/bridge.h."""
@@ -249,6 +333,46 @@ def _fingerprint(adapter: Union[LinearAdapter, str]) -> str:
         return adapter
     raise TypeError("adapter: expected a kvbridge.LinearAdapter or its fingerprint, got "
                     f"{type(adapter).__name__}")
+
+
+def _tokenization(ids, offsets, roles):
+    """The native form of a tokenization: (ids, starts, ends, roles with "" for ordinary)."""
+    return ([int(i) for i in ids], [int(s) for s, _ in offsets], [int(e) for _, e in offsets],
+            ["" if r is None else r for r in roles])
+
+
+def _decode(tokenizer: Any, ids: List[int]) -> str:
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    except TypeError:  # the testbed tokenizers drop special ids themselves
+        return tokenizer.decode(ids)
+
+
+def _verified_prefix(tokenizer: Any, prompt: List[int]):
+    """The prompt's text and the target tokenization of its verified prefix.
+
+    The prompt is decoded to text and encoded again (with the tokenizer's special tokens when
+    the prompt starts with them). The verified prefix is the longest common prefix of the prompt
+    and the re-encoding, shortened until the text of its tokens (decoded on their own) is exactly
+    the start of the text up to its last token's end: only then do its spans describe the prompt.
+    Tokens past it (normalisation, unknown bytes, special tokens inside the text) are never
+    served across tokenizers. Returns (text of the verified prefix, tokenization)."""
+    text = _decode(tokenizer, prompt)
+    for add_bos in (True, False):
+        ids, offsets, roles = token_offsets(tokenizer, text, add_bos=add_bos)
+        v = 0
+        while v < min(len(ids), len(prompt)) and ids[v] == prompt[v]:
+            v += 1
+        if v > 0 or not add_bos:
+            break
+    raw = text.encode("utf-8")
+    while v > 0:
+        end = max(e for _, e in offsets[:v])
+        if _decode(tokenizer, prompt[:v]).encode("utf-8") == raw[:end]:
+            break
+        v -= 1
+    end = max((e for _, e in offsets[:v]), default=0)
+    return raw[:end].decode("utf-8", errors="strict"), _tokenization(ids[:v], offsets[:v], roles[:v])
 
 
 __all__: List[str] = ["Bridge", "Load"]

@@ -309,20 +309,24 @@ def layer_r2(adapter: kvbridge.LinearAdapter) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------- fitting
 
 
+def progress_items(items: Sequence[Any], progress: bool, desc: str = "paired KV") -> Any:
+    """`items`, wrapped in a tqdm progress bar on stderr when `progress` and tqdm is there."""
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(items, desc=desc, unit="window", file=sys.stderr)
+        except ImportError:
+            pass
+    return items
+
+
 def fit_variants(pair: Any, windows: Sequence[Sequence[int]], variants: Sequence[str],
                  progress: bool = False, seed: int = 0) -> Dict[str, kvbridge.LinearAdapter]:
     """One adapter per variant, all from the same paired KV of `windows` (one prefill each)."""
     fitters = {name: kvbridge.AdapterFitter(pair.source.spec, pair.target.spec, seed=seed,
                                             **VARIANTS[name]) for name in variants}
-    items: Any = windows
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            items = tqdm(windows, desc="paired KV", unit="window", file=sys.stderr)
-        except ImportError:
-            pass
-    for w in items:
+    for w in progress_items(windows, progress):
         src, tgt = prefix_kv(pair.source.model, w), prefix_kv(pair.target.model, w)
         for fitter in fitters.values():
             fitter.add(src, tgt)
@@ -707,7 +711,12 @@ def int_at_least(lo: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0],
+                                epilog="A --source and --target whose tokenizers differ (as "
+                                "testbed-a and testbed-c) run kvbridge.eval_cross, with its "
+                                "own options.")
+    p.add_argument("--source", default=None, help="source testbed model (default: testbed-a)")
+    p.add_argument("--target", default=None, help="target testbed model (default: testbed-b)")
     p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
     p.add_argument("--adapter", help="evaluate this adapter file (as every variant it is "
                    "given for: only one, named 'loaded') instead of fitting")
@@ -733,7 +742,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cross_tokenizer_pair(argv: Sequence[str]) -> bool:
+    """Whether --source / --target in argv name testbed models of different tokenizers."""
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--source")
+    pick.add_argument("--target")
+    known, _ = pick.parse_known_args(argv)
+    if known.source is None and known.target is None:
+        return False
+    from kvbridge import testbed
+
+    names = (known.source or testbed.SOURCE_NAME, known.target or testbed.TARGET_NAME)
+    for name in names:
+        if name not in testbed.MODEL_NAMES:
+            raise SystemExit(f"kvbridge eval: unknown model {name!r} (expected one of "
+                             f"{', '.join(testbed.MODEL_NAMES)})")
+    return testbed.load_tokenizer(names[0]).id != testbed.load_tokenizer(names[1]).id
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _cross_tokenizer_pair(argv):
+        from kvbridge import eval_cross
+
+        return eval_cross.main(argv)
     args = build_parser().parse_args(argv)
     from kvbridge import testbed
 
@@ -746,7 +778,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         exact_layers=list(args.exact_layers))
     set_threads(args.threads)
     quiet_model_loading()
-    pair = testbed.load_pair()
+    if args.source is None and args.target is None:
+        pair = testbed.load_pair()
+    else:
+        pair = testbed.load_pair(args.source or testbed.SOURCE_NAME,
+                                 args.target or testbed.TARGET_NAME)
     adapters = None
     if args.adapter:
         adapters = {"loaded": load_adapter(args.adapter, pair)}

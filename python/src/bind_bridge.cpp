@@ -26,6 +26,9 @@ py::dict stats_dict(const BridgeStats& s) {
   d["written_back_tokens"] = s.written_back_tokens;
   d["adapters_skipped_quality"] = s.adapters_skipped_quality;
   d["adapters_skipped_stale"] = s.adapters_skipped_stale;
+  d["cross_tokenizer_loads"] = s.cross_tokenizer_loads;
+  d["unverified_tokens"] = s.unverified_tokens;
+  d["aligned_hits"] = s.aligned_hits;
   d["adapters"] = s.adapters;
   d["adapters_below_quality"] = s.adapters_below_quality;
   d["adapters_disabled"] = s.adapters_disabled;
@@ -51,6 +54,23 @@ py::dict health_dict(const AdapterHealth& a) {
   d["loss_gap"] = a.loss_gap;
   d["disables"] = a.disables;
   return d;
+}
+
+// A tokenization from Python: (ids, starts, ends, roles), lists of equal length (roles "" for
+// ordinary tokens); the library checks the contents.
+Tokenization tokenization(const py::handle& t) {
+  const auto parts = t.cast<std::tuple<std::vector<int64_t>, std::vector<int64_t>,
+                                       std::vector<int64_t>, std::vector<std::string>>>();
+  Tokenization out;
+  out.ids = std::get<0>(parts);
+  const auto& starts = std::get<1>(parts);
+  const auto& ends = std::get<2>(parts);
+  KVB_CHECK(starts.size() == ends.size(),
+            "tokenization: " << starts.size() << " starts and " << ends.size() << " ends");
+  out.spans.resize(starts.size());
+  for (size_t i = 0; i < starts.size(); ++i) out.spans[i] = {starts[i], ends[i]};
+  out.roles = std::get<3>(parts);
+  return out;
 }
 
 }  // namespace
@@ -171,6 +191,26 @@ void bind_bridge(py::module_& m) {
             return b.load(spec, span, ns);
           },
           py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
+      .def(
+          "load_across",
+          [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const py::handle& target,
+             const py::function& tokenize, const std::string& ns) {
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
+            const Tokenization target_text = tokenization(target);
+            // Called by the library on this thread; a Python exception propagates out of load.
+            const TokenizeText source_text = [&tokenize](const std::string& id, Tokenization& out) {
+              py::gil_scoped_acquire gil;
+              const py::object got = tokenize(id);
+              if (got.is_none()) return false;
+              out = tokenization(got);
+              return true;
+            };
+            py::gil_scoped_release release;
+            return b.load(spec, span, target_text, source_text, ns);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("tokenize"),
+          py::arg("namespace"))
       .def("stats", [](const Bridge& b) { return stats_dict(b.stats()); })
       .def("prometheus_text", &Bridge::prometheus_text);
 }

@@ -1,5 +1,7 @@
 // pybind11 bindings: type conversions only. Argument checking lives in the C++ library (so C++
 // and Python callers get the same errors); Python-side type handling lives in python/kvbridge.
+#include <optional>
+
 #include <pybind11/numpy.h>
 #include <pybind11/operators.h>
 #include <pybind11/pybind11.h>
@@ -132,6 +134,7 @@ py::dict report_dict(const FitReport& r) {
   d["train_tokens"] = r.train_tokens;
   d["holdout_tokens"] = r.holdout_tokens;
   d["rope_aware"] = r.rope_aware;
+  d["alignment_policy"] = r.alignment_policy;
   return d;
 }
 
@@ -408,6 +411,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("source_layers", &FitOptions::source_layers)
       .def_readwrite("max_source_layers", &FitOptions::max_source_layers)
       .def_readwrite("rope_aware", &FitOptions::rope_aware)
+      .def_readwrite("alignment_policy", &FitOptions::alignment_policy)
       .def_readwrite("ridge_grid", &FitOptions::ridge_grid)
       .def_readwrite("holdout", &FitOptions::holdout)
       .def_readwrite("seed", &FitOptions::seed)
@@ -433,18 +437,25 @@ PYBIND11_MODULE(_core, m) {
           [](const LinearAdapter& a, const std::vector<TensorView>& src_keys,
              const std::vector<TensorView>& src_values, int64_t start_pos,
              const std::vector<TensorView>& dst_keys, const std::vector<TensorView>& dst_values,
-             bool reference, uintptr_t stream) {
+             bool reference, uintptr_t stream, const std::optional<std::vector<int64_t>>& alignment,
+             int64_t target_start_pos) {
             const KVView src = KVView::from_hf_layers(src_keys, src_values);
             const KVView dst = KVView::from_hf_layers(dst_keys, dst_values);
             py::gil_scoped_release release;
-            if (reference) {
+            void* s = reinterpret_cast<void*>(stream);
+            if (alignment && reference) {
+              a.convert_reference(src, start_pos, dst, *alignment, target_start_pos);
+            } else if (alignment) {
+              a.convert(src, start_pos, dst, *alignment, target_start_pos, s);
+            } else if (reference) {
               a.convert_reference(src, start_pos, dst);
             } else {
-              a.convert(src, start_pos, dst, reinterpret_cast<void*>(stream));
+              a.convert(src, start_pos, dst, s);
             }
           },
           py::arg("src_keys"), py::arg("src_values"), py::arg("start_pos"), py::arg("dst_keys"),
-          py::arg("dst_values"), py::arg("reference") = false, py::arg("stream") = 0);
+          py::arg("dst_values"), py::arg("reference") = false, py::arg("stream") = 0,
+          py::arg("alignment") = py::none(), py::arg("target_start_pos") = 0);
 
   py::class_<AdapterFitter>(m, "AdapterFitter")
       .def(py::init<const ModelSpec&, const ModelSpec&, const FitOptions&>(), py::arg("source"),
@@ -453,14 +464,19 @@ PYBIND11_MODULE(_core, m) {
           "add",
           [](AdapterFitter& f, const std::vector<TensorView>& src_keys,
              const std::vector<TensorView>& src_values, const std::vector<TensorView>& tgt_keys,
-             const std::vector<TensorView>& tgt_values, int64_t start_pos) {
+             const std::vector<TensorView>& tgt_values, int64_t start_pos,
+             const std::optional<std::vector<int64_t>>& alignment) {
             const KVView src = KVView::from_hf_layers(src_keys, src_values);
             const KVView tgt = KVView::from_hf_layers(tgt_keys, tgt_values);
             py::gil_scoped_release release;
-            f.add(src, tgt, start_pos);
+            if (alignment) {
+              f.add(src, tgt, start_pos, *alignment);
+            } else {
+              f.add(src, tgt, start_pos);
+            }
           },
           py::arg("src_keys"), py::arg("src_values"), py::arg("tgt_keys"), py::arg("tgt_values"),
-          py::arg("start_pos"))
+          py::arg("start_pos"), py::arg("alignment") = py::none())
       .def_property_readonly("train_tokens", &AdapterFitter::train_tokens)
       .def_property_readonly("holdout_tokens", &AdapterFitter::holdout_tokens)
       .def_property_readonly("memory_bytes", &AdapterFitter::memory_bytes)
@@ -469,6 +485,30 @@ PYBIND11_MODULE(_core, m) {
       .def("next_pass", &AdapterFitter::next_pass, py::call_guard<py::gil_scoped_release>())
       .def("candidate_layers", &AdapterFitter::candidate_layers)
       .def("fit", &AdapterFitter::fit, py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "align",
+      [](const std::vector<int64_t>& source_starts, const std::vector<int64_t>& source_ends,
+         const std::vector<int64_t>& target_starts, const std::vector<int64_t>& target_ends,
+         const std::string& policy, const std::vector<std::string>& source_roles,
+         const std::vector<std::string>& target_roles) {
+        const auto spans = [](const std::vector<int64_t>& starts, const std::vector<int64_t>& ends) {
+          KVB_CHECK(starts.size() == ends.size(), "offsets: " << starts.size() << " starts and "
+                                                              << ends.size() << " ends");
+          std::vector<TextSpan> out(starts.size());
+          for (size_t i = 0; i < out.size(); ++i) out[i] = {starts[i], ends[i]};
+          return out;
+        };
+        const std::vector<int64_t> a =
+            align(spans(source_starts, source_ends), spans(target_starts, target_ends),
+                  parse_align_policy(policy), source_roles, target_roles);
+        py::array_t<int64_t> out(static_cast<py::ssize_t>(a.size()));
+        std::copy(a.begin(), a.end(), out.mutable_data());
+        return out;
+      },
+      py::arg("source_starts"), py::arg("source_ends"), py::arg("target_starts"),
+      py::arg("target_ends"), py::arg("policy"), py::arg("source_roles"),
+      py::arg("target_roles"));
 
   m.def(
       "prefix_hashes",

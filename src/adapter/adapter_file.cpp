@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kvbridge/adapter.h"
+#include "kvbridge/align.h"
 #include "kvbridge/error.h"
 #include "src/adapter/adapter_impl.h"
 #include "src/adapter/numeric.h"
@@ -22,7 +23,12 @@ namespace {
 using nlohmann::json;
 constexpr const char* kFormat = "kvbridge.adapter";
 constexpr const char* kFormatVersion = "2";
+// Version 3: version 2 plus "alignment_policy", written only for adapters between tokenizers
+// (the others keep writing version 2, so their files and fingerprints are unchanged and older
+// readers, which refuse version 3, cannot use an aligned adapter without its alignment).
+constexpr const char* kAlignedVersion = "3";
 constexpr const char* kUncheckedVersion = "1";  // the format before the checksum
+constexpr const char* kAlignmentPolicyKey = "alignment_policy";
 constexpr const char* kChecksumKey = "checksum";
 constexpr char kChecksumTag[] = "kvbridge.adapter.checksum";
 
@@ -143,13 +149,19 @@ std::map<std::string, std::string> file_metadata(const LinearAdapter::Impl& a) {
   const json fit = {{"layers", report},
                     {"train_tokens", a.report.train_tokens},
                     {"holdout_tokens", a.report.holdout_tokens}};
-  return {{"format", kFormat},
-          {"format_version", kFormatVersion},
-          {"source_spec", spec_json(a.source).dump()},
-          {"target_spec", spec_json(a.target).dump()},
-          {"layer_map", layers.dump()},
-          {"rope_aware", a.report.rope_aware ? "true" : "false"},
-          {"fit_report", fit.dump()}};
+  std::map<std::string, std::string> meta = {
+      {"format", kFormat},
+      {"format_version", kFormatVersion},
+      {"source_spec", spec_json(a.source).dump()},
+      {"target_spec", spec_json(a.target).dump()},
+      {"layer_map", layers.dump()},
+      {"rope_aware", a.report.rope_aware ? "true" : "false"},
+      {"fit_report", fit.dump()}};
+  if (!a.report.alignment_policy.empty()) {
+    meta["format_version"] = kAlignedVersion;
+    meta[kAlignmentPolicyKey] = a.report.alignment_policy;
+  }
+  return meta;
 }
 
 // The adapter's tensors by file name, viewing its weights (no copy).
@@ -243,10 +255,12 @@ LinearAdapter LinearAdapter::load(const std::string& path, const AdapterLoadOpti
   KVB_CHECK_AS(Corrupt, get("format") == kFormat,
                "adapter file " << path << ": format is '" << get("format") << "', not " << kFormat);
   const std::string version = get("format_version");
-  KVB_CHECK_AS(Corrupt, version == kFormatVersion || version == kUncheckedVersion,
+  KVB_CHECK_AS(Corrupt,
+               version == kFormatVersion || version == kAlignedVersion ||
+                   version == kUncheckedVersion,
                "adapter file " << path << ": unknown format_version '" << version
-                               << "' (this library reads " << kFormatVersion << " and "
-                               << kUncheckedVersion << ")");
+                               << "' (this library reads " << kUncheckedVersion << ", "
+                               << kFormatVersion << " and " << kAlignedVersion << ")");
   // The checksum first: nothing of a damaged or edited file is trusted.
   const auto sum = meta.find(kChecksumKey);
   if (sum != meta.end()) {
@@ -273,6 +287,19 @@ LinearAdapter LinearAdapter::load(const std::string& path, const AdapterLoadOpti
   const std::string rope = get("rope_aware");
   KVB_CHECK_AS(Corrupt, rope == "true" || rope == "false", "adapter file: rope_aware is '" << rope << "'");
   a->report.rope_aware = rope == "true";
+  const auto policy = meta.find(kAlignmentPolicyKey);
+  KVB_CHECK_AS(Corrupt, (policy != meta.end()) == (version == kAlignedVersion),
+               "adapter file " << path << ": format_version " << version
+                               << (policy != meta.end() ? " has an " : " needs an ")
+                               << kAlignmentPolicyKey << " (version " << kAlignedVersion
+                               << " files alone carry one)");
+  if (policy != meta.end()) {
+    try {
+      a->report.alignment_policy = align_policy_name(parse_align_policy(policy->second));
+    } catch (const InvalidArgument& e) {
+      KVB_CHECK_AS(Corrupt, false, "adapter file " << path << ": " << e.message());
+    }
+  }
 
   const json layers = parse_json(meta, "layer_map");
   const json fit = parse_json(meta, "fit_report");

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kvbridge/adapter.h"
+#include "kvbridge/align.h"
 
 namespace kvbridge {
 
@@ -38,8 +39,23 @@ struct LinearAdapter::Impl {
   int64_t target_width() const { return target.num_kv_heads * target.head_dim; }
 };
 
-/// Checks that a source/target view pair fits the specs (shared by the fitter and the adapter).
+/// Checks that a source/target view pair fits the specs (shared by the fitter and the adapter);
+/// same_tokens: both hold the same number of tokens (false: an alignment pairs them).
 void check_pair(const ModelSpec& source, const ModelSpec& target, const KVView& src,
-                const KVView& dst, const char* src_name, const char* dst_name);
+                const KVView& dst, const char* src_name, const char* dst_name,
+                bool same_tokens = true);
+
+/// Checks an alignment (one entry per target token, each a source token index in
+/// [0, source_tokens), or kNoSource where allow_missing) (shared by the fitter and the adapter).
+void check_alignment(const std::vector<int64_t>& alignment, int64_t source_tokens,
+                     int64_t target_tokens, bool allow_missing);
+
+namespace detail {
+/// The position and alignment checks of a convert (CPU and CUDA): start_pos for the source's
+/// tokens; with an alignment also target_start_pos for the target's and the alignment itself
+/// (every entry a source index, no kNoSource).
+void check_convert_positions(const KVView& src, int64_t start_pos, const KVView& dst,
+                             const std::vector<int64_t>* alignment, int64_t target_start_pos);
+}  // namespace detail
 
 }  // namespace kvbridge

@@ -190,7 +190,7 @@ int64_t cuda_scratch_bytes_per_token(const ModelSpec& source, const ModelSpec& t
   const int64_t sw = source.num_kv_heads * source.head_dim;
   const int64_t tw = target.num_kv_heads * target.head_dim;
   return used_source_layers * 2 * sw * static_cast<int64_t>(dtype_size(source.dtype)) +
-         2 * tw * 4 + (source.head_dim / 2 + target.head_dim / 2) * 8;
+         2 * tw * 4 + (source.head_dim / 2 + target.head_dim / 2) * 8 + 8;
 }
 
 int64_t cuda_block_tokens(int64_t tokens, int64_t bytes_per_token, int64_t budget) {
@@ -394,7 +394,8 @@ void check_int(int64_t v, const char* what) {
 namespace detail {
 
 void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
-                  const KVView& dst, void* cuda_stream) {
+                  const KVView& dst, void* cuda_stream, const std::vector<int64_t>* alignment,
+                  int64_t target_start_pos) {
   const int device = src.device().index;
   const int devices = cuda_device_count();
   KVB_CHECK_AS(Unavailable, devices > 0,
@@ -405,11 +406,11 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
                                             << " devices)");
   src.check_matches(a.source, "source_kv");
   dst.check_matches(a.target, "target_kv");
-  KVB_CHECK(src.tokens() == dst.tokens(), "target_kv holds " << dst.tokens()
-                                                             << " tokens but source_kv holds "
-                                                             << src.tokens());
-  const int64_t T = src.tokens();
-  detail::check_positions(start_pos, T);
+  KVB_CHECK(alignment || src.tokens() == dst.tokens(),
+            "target_kv holds " << dst.tokens() << " tokens but source_kv holds " << src.tokens());
+  detail::check_convert_positions(src, start_pos, dst, alignment, target_start_pos);
+  if (!alignment) target_start_pos = start_pos;
+  const int64_t T = dst.tokens();
   if (T == 0) return;
 
   const int64_t sw = a.source_width(), tw = a.target_width();
@@ -438,16 +439,19 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   const int64_t y_bytes = align_up(block * 2 * tw * 4, kAlign);
   const int64_t source_table_bytes = align_up(block * half_s * 8, kAlign);
   const int64_t target_table_bytes = align_up(block * half_t * 8, kAlign);
+  const int64_t index_bytes = align_up(block * 8, kAlign);
   const int64_t scratch_bytes =
-      features_bytes + y_bytes + source_table_bytes + target_table_bytes;
+      features_bytes + y_bytes + source_table_bytes + target_table_bytes + index_bytes;
   WorkspaceLease lease(state, scratch_bytes, std::max(budget + 4 * kAlign, scratch_bytes), stream);
   Workspace& ws = *lease;
   char* scratch = static_cast<char*>(ws.scratch.get());
   char* features = scratch;
   auto* y = reinterpret_cast<float*>(scratch + features_bytes);
-  auto* source_table = reinterpret_cast<float2*>(scratch + features_bytes + y_bytes);
+  auto* source_table = reinterpret_cast<cuda::CosSin*>(scratch + features_bytes + y_bytes);
   auto* target_table =
-      reinterpret_cast<float2*>(scratch + features_bytes + y_bytes + source_table_bytes);
+      reinterpret_cast<cuda::CosSin*>(scratch + features_bytes + y_bytes + source_table_bytes);
+  auto* index = reinterpret_cast<int64_t*>(scratch + features_bytes + y_bytes +
+                                           source_table_bytes + target_table_bytes);
   const char* weights = static_cast<const char*>(state.weights.get());
   const float* bias = static_cast<const float*>(state.bias.get());
 
@@ -461,17 +465,27 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
 
   for (int64_t t0 = 0; t0 < T; t0 += block) {
     const int64_t tb = std::min(block, T - t0);
-    const KVView s = src.slice_tokens(t0, tb), d = dst.slice_tokens(t0, tb);
+    // Without an alignment the block's source rows are tokens t0.. of src; with one, rows
+    // alignment[t0 + t] of the whole of src, their indices copied into the scratch first (from
+    // pageable memory: staged before cudaMemcpyAsync returns, so the vector may change after).
+    const int64_t* rows = nullptr;
+    if (alignment) {
+      KVB_CUDA_CHECK(cudaMemcpyAsync(index, alignment->data() + t0,
+                                     static_cast<size_t>(tb) * sizeof(int64_t),
+                                     cudaMemcpyHostToDevice, stream));
+      rows = index;
+    }
+    const KVView s = rows ? src : src.slice_tokens(t0, tb), d = dst.slice_tokens(t0, tb);
     if (rope) {
       cuda::launch_rope_table(static_cast<const double*>(state.source_inv_freq.get()), half_s,
-                              start_pos + t0, tb, source_table, stream);
+                              rows ? start_pos : start_pos + t0, rows, tb, source_table, stream);
       cuda::launch_rope_table(static_cast<const double*>(state.target_inv_freq.get()), half_t,
-                              start_pos + t0, tb, target_table, stream);
+                              target_start_pos + t0, nullptr, tb, target_table, stream);
     }
     for (int64_t u = 0; u < used; ++u) {
       const int64_t l = state.used[static_cast<size_t>(u)];
-      cuda::launch_gather(s.plane(l, KVView::kKey), s.plane(l, KVView::kValue), gemm_type, tb,
-                          a.source.num_kv_heads, a.source.head_dim, source_interleaved,
+      cuda::launch_gather(s.plane(l, KVView::kKey), s.plane(l, KVView::kValue), gemm_type, rows,
+                          tb, a.source.num_kv_heads, a.source.head_dim, source_interleaved,
                           rope ? source_table : nullptr, features + u * 2 * sw * es, ldf,
                           stream);
     }

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "kvbridge/kv_view.h"
 #include "kvbridge/model_spec.h"
@@ -12,9 +13,12 @@
 namespace kvbridge::detail {
 
 /// Converts CUDA views `src` -> `dst` (same device, checked by the caller) on `cuda_stream`
-/// (a cudaStream_t; nullptr: the legacy default stream).
+/// (a cudaStream_t; nullptr: the legacy default stream). alignment: nullptr, or the source token
+/// of each target token (LinearAdapter::convert with an alignment), target token j then at
+/// target_start_pos + j.
 void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
-                  const KVView& dst, void* cuda_stream);
+                  const KVView& dst, void* cuda_stream, const std::vector<int64_t>* alignment,
+                  int64_t target_start_pos);
 
 /// Device scratch the CUDA path may hold per concurrent convert call, in bytes (default 512 MiB,
 /// adapter.h documents it); tokens are processed in blocks that fit. Tests lower it to exercise

@@ -7,7 +7,8 @@ namespace kvbridge {
 void CudaCacheDeleter::operator()(CudaCache*) const noexcept {}
 
 namespace detail {
-void convert_cuda(const LinearAdapter::Impl&, const KVView& src, int64_t, const KVView&, void*) {
+void convert_cuda(const LinearAdapter::Impl&, const KVView& src, int64_t, const KVView&, void*,
+                  const std::vector<int64_t>*, int64_t) {
   KVB_CHECK_AS(Unavailable, false,
                "LinearAdapter::convert: the KV views are on cuda:"
                    << src.device().index

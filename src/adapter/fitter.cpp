@@ -289,11 +289,12 @@ MatD gaussian_sketch(int64_t outputs, int64_t width, uint64_t seed) {
 }  // namespace
 
 void check_pair(const ModelSpec& source, const ModelSpec& target, const KVView& src,
-                const KVView& dst, const char* src_name, const char* dst_name) {
+                const KVView& dst, const char* src_name, const char* dst_name, bool same_tokens) {
   src.check_matches(source, src_name);
   dst.check_matches(target, dst_name);
-  KVB_CHECK(src.tokens() == dst.tokens(), dst_name << " holds " << dst.tokens() << " tokens but "
-                                                   << src_name << " holds " << src.tokens());
+  KVB_CHECK(!same_tokens || src.tokens() == dst.tokens(),
+            dst_name << " holds " << dst.tokens() << " tokens but " << src_name << " holds "
+                     << src.tokens());
   KVB_CHECK(src.device().type == DeviceType::kCPU && dst.device().type == DeviceType::kCPU,
             src_name << " and " << dst_name << " must be CPU views here");
 }
@@ -534,6 +535,7 @@ AdapterFitter::AdapterFitter(const ModelSpec& source, const ModelSpec& target,
     : impl_(std::make_unique<Impl>()) {
   source.validate();
   target.validate();
+  if (!options.alignment_policy.empty()) (void)parse_align_policy(options.alignment_policy);
   KVB_CHECK(options.holdout > 0 && options.holdout <= 0.5,
             "holdout must be in (0, 0.5], got " << options.holdout);
   KVB_CHECK(!options.ridge_grid.empty(), "ridge_grid must not be empty");
@@ -619,10 +621,35 @@ std::vector<std::vector<int64_t>> AdapterFitter::candidate_layers() const {
 }
 
 void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos) {
+  add_impl(src, tgt, start_pos, nullptr);
+}
+
+void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos,
+                        const std::vector<int64_t>& alignment) {
+  add_impl(src, tgt, start_pos, &alignment);
+}
+
+void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start_pos,
+                             const std::vector<int64_t>* alignment) {
   Impl& m = *impl_;
-  check_pair(m.source, m.target, src, tgt, "source_kv", "target_kv");
-  const int64_t T = src.tokens();
-  detail::check_positions(start_pos, T);
+  check_pair(m.source, m.target, src, tgt, "source_kv", "target_kv", alignment == nullptr);
+  detail::check_positions(start_pos, std::max(src.tokens(), tgt.tokens()));
+  // With an alignment the samples are the target tokens that have a source token: target row
+  // j with the source row alignment[j] (un-rotated at its own source position).
+  std::vector<int64_t> src_rows, tgt_rows;
+  if (alignment) {
+    check_alignment(*alignment, src.tokens(), tgt.tokens(), /*allow_missing=*/true);
+    for (size_t j = 0; j < alignment->size(); ++j)
+      if ((*alignment)[j] != kNoSource) {
+        src_rows.push_back((*alignment)[j]);
+        tgt_rows.push_back(static_cast<int64_t>(j));
+      }
+  }
+  const auto pick = [&](MatD rows, const std::vector<int64_t>& index) -> MatD {
+    if (!alignment) return rows;
+    return rows(index, Eigen::all);
+  };
+  const int64_t T = alignment ? static_cast<int64_t>(tgt_rows.size()) : src.tokens();
   if (T == 0) return;
   KVB_CHECK(T <= std::numeric_limits<int>::max(),
             "add: " << T << " tokens in one sample; add at most 2^31 - 1 at a time");
@@ -651,12 +678,15 @@ void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos)
   // Everything is computed before anything is accumulated, so a bad sample changes nothing.
   MatD X(T, static_cast<int64_t>(layers.size()) * Fl);
   for (size_t s = 0; s < layers.size(); ++s)
-    X(dest, Eigen::seqN(static_cast<int64_t>(s) * Fl, Fl)) = unrotated_rows(
-        m.source, m.source_inv_freq, m.options.rope_aware, src, layers[s], start_pos);
+    X(dest, Eigen::seqN(static_cast<int64_t>(s) * Fl, Fl)) = pick(
+        unrotated_rows(m.source, m.source_inv_freq, m.options.rope_aware, src, layers[s],
+                       start_pos),
+        src_rows);
   MatD Y(T, Lt * 2 * O);  // target layer j's keys then values at columns j * 2O
   for (int64_t j = 0; j < Lt; ++j)
-    Y(dest, Eigen::seqN(j * 2 * O, 2 * O)) =
-        unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, tgt, j, start_pos);
+    Y(dest, Eigen::seqN(j * 2 * O, 2 * O)) = pick(
+        unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, tgt, j, start_pos),
+        tgt_rows);
   if (probing) {
     const int64_t r = m.sketch_width;
     MatD Z(T, m.maps() * r);
@@ -798,6 +828,7 @@ LinearAdapter AdapterFitter::fit() const {
   out->report.train_tokens = m.train.n;
   out->report.holdout_tokens = m.held.n;
   out->report.rope_aware = m.options.rope_aware;
+  out->report.alignment_policy = m.options.alignment_policy;
   std::vector<Impl::Choice> chosen = m.select();
   for (Impl::Choice& c : chosen) {
     out->layers.push_back(c.layers);

@@ -59,12 +59,13 @@ int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dty
   return (tokens + blocks - 1) / blocks;
 }
 
-// Converts tokens [b0, b0 + n) in arithmetic type T: per target layer, for each of its source
+// Converts target tokens [b0, b0 + n) in arithmetic type T: per target layer, for each of its source
 // layers, gather and un-rotate that layer's keys and values and add their GEMMs into the key and
 // value planes (started at the bias); then rotate the keys and store both.
 template <typename T>
 void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
-                   const KVView& dst, int64_t b0, int64_t n, Workspace<T>& w) {
+                   const KVView& dst, const int64_t* alignment, int64_t target_start_pos,
+                   int64_t b0, int64_t n, Workspace<T>& w) {
   constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t sw = a.source_width(), tw = a.target_width();
   const bool rope = a.report.rope_aware;
@@ -73,11 +74,15 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
     for (auto& y : w.y) y.resize(n, tw);
     if (!kFloat) w.buf.resize(static_cast<size_t>(n * 2 * std::max(sw, tw)));
   }
-  const KVView s = src.slice_tokens(b0, n);
+  // Source rows of the block: tokens b0.. (positions start_pos + b0 + t), or with an alignment
+  // tokens alignment[b0 + t] of the whole source (positions start_pos + alignment[b0 + t]).
+  const int64_t* rows = alignment ? alignment + b0 : nullptr;
+  const KVView s = rows ? src : src.slice_tokens(b0, n);
   const KVView d = dst.slice_tokens(b0, n);
   if (rope) {
-    detail::rope_table(a.source_inv_freq, start_pos + b0, n, w.source_angles);
-    detail::rope_table(a.target_inv_freq, start_pos + b0, n, w.target_angles);
+    detail::rope_table(a.source_inv_freq, rows ? start_pos : start_pos + b0, n, w.source_angles,
+                       rows);
+    detail::rope_table(a.target_inv_freq, target_start_pos + b0, n, w.target_angles);
   }
   for (int64_t j = 0; j < a.target.num_layers; ++j) {
     const auto& layers = a.layers[static_cast<size_t>(j)];
@@ -93,7 +98,8 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
       if constexpr (kFloat) gathered = w.x.data();
       for (int kind = 0; kind < 2; ++kind)
         detail::load_plane(s.plane(l, static_cast<KVView::Kind>(kind)), s.dtype(), n,
-                           a.source.num_kv_heads, a.source.head_dim, gathered + kind * sw, 2 * sw);
+                           a.source.num_kv_heads, a.source.head_dim, gathered + kind * sw, 2 * sw,
+                           rows);
       if constexpr (!kFloat)
         w.x.topRows(n) = Eigen::Map<RowMat<float>>(w.buf.data(), n, 2 * sw).cast<T>();
       if (rope)
@@ -132,10 +138,11 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
 
 template <typename T>
 void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
-                  const KVView& dst) {
-  check_pair(a.source, a.target, src, dst, "source_kv", "target_kv");
-  const int64_t T_ = src.tokens();
-  detail::check_positions(start_pos, T_);
+                  const KVView& dst, const std::vector<int64_t>* alignment,
+                  int64_t target_start_pos) {
+  check_pair(a.source, a.target, src, dst, "source_kv", "target_kv", alignment == nullptr);
+  detail::check_convert_positions(src, start_pos, dst, alignment, target_start_pos);
+  const int64_t T_ = dst.tokens();
   if (T_ == 0) return;
   constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t threads = kFloat ? std::max(1, omp_get_max_threads()) : 1;
@@ -147,10 +154,37 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   detail::parallel_for(blocks, [&](int64_t i) {
     const int64_t b0 = i * B;
     const size_t slot = blocks > 1 ? static_cast<size_t>(omp_get_thread_num()) : 0;
-    convert_block(a, src, start_pos, dst, b0, std::min(B, T_ - b0), work[slot]);
+    convert_block(a, src, start_pos, dst, alignment ? alignment->data() : nullptr, target_start_pos,
+                  b0, std::min(B, T_ - b0), work[slot]);
   });
 }
 }  // namespace
+
+void check_alignment(const std::vector<int64_t>& alignment, int64_t source_tokens,
+                     int64_t target_tokens, bool allow_missing) {
+  KVB_CHECK(static_cast<int64_t>(alignment.size()) == target_tokens,
+            "alignment: expected one entry per target token (" << target_tokens << "), got "
+                                                               << alignment.size());
+  for (size_t j = 0; j < alignment.size(); ++j) {
+    const int64_t i = alignment[j];
+    KVB_CHECK((i >= 0 && i < source_tokens) || (allow_missing && i == kNoSource),
+              "alignment[" << j << "] = " << i << ": expected a source token index in [0, "
+                           << source_tokens << ")" << (allow_missing ? " or -1" : "")
+                           << (i == kNoSource ? " (no source token serves this target token; "
+                                                "convert only tokens that have one)"
+                                              : ""));
+  }
+}
+
+namespace detail {
+void check_convert_positions(const KVView& src, int64_t start_pos, const KVView& dst,
+                             const std::vector<int64_t>* alignment, int64_t target_start_pos) {
+  detail::check_positions(start_pos, src.tokens());
+  if (!alignment) return;
+  detail::check_positions(target_start_pos, dst.tokens());
+  check_alignment(*alignment, src.tokens(), dst.tokens(), /*allow_missing=*/false);
+}
+}  // namespace detail
 
 LinearAdapter::LinearAdapter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 LinearAdapter::LinearAdapter(LinearAdapter&&) noexcept = default;
@@ -178,21 +212,39 @@ void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& 
 
 void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst,
                             void* cuda_stream) const {
+  convert_dispatch(src, start_pos, dst, nullptr, start_pos, cuda_stream);
+}
+
+void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst,
+                            const std::vector<int64_t>& alignment, int64_t target_start_pos,
+                            void* cuda_stream) const {
+  convert_dispatch(src, start_pos, dst, &alignment, target_start_pos, cuda_stream);
+}
+
+void LinearAdapter::convert_dispatch(const KVView& src, int64_t start_pos, const KVView& dst,
+                                     const std::vector<int64_t>* alignment,
+                                     int64_t target_start_pos, void* cuda_stream) const {
   KVB_CHECK(src.device() == dst.device(),
             "source_kv and target_kv must be on one device, got "
                 << (src.device().type == DeviceType::kCUDA ? "cuda:" : "cpu:") << src.device().index
                 << " and " << (dst.device().type == DeviceType::kCUDA ? "cuda:" : "cpu:")
                 << dst.device().index);
   if (src.device().type == DeviceType::kCUDA) {
-    detail::convert_cuda(*impl_, src, start_pos, dst, cuda_stream);
+    detail::convert_cuda(*impl_, src, start_pos, dst, cuda_stream, alignment, target_start_pos);
     return;
   }
-  convert_impl<float>(*impl_, src, start_pos, dst);
+  convert_impl<float>(*impl_, src, start_pos, dst, alignment, target_start_pos);
 }
 
 void LinearAdapter::convert_reference(const KVView& src, int64_t start_pos,
                                       const KVView& dst) const {
-  convert_impl<double>(*impl_, src, start_pos, dst);
+  convert_impl<double>(*impl_, src, start_pos, dst, nullptr, start_pos);
+}
+
+void LinearAdapter::convert_reference(const KVView& src, int64_t start_pos, const KVView& dst,
+                                      const std::vector<int64_t>& alignment,
+                                      int64_t target_start_pos) const {
+  convert_impl<double>(*impl_, src, start_pos, dst, &alignment, target_start_pos);
 }
 
 }  // namespace kvbridge

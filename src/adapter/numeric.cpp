@@ -64,12 +64,13 @@ constexpr int64_t kParallelElements = int64_t{1} << 16;
 
 template <typename Load>
 void gather(const KVPlane& p, int64_t es, int64_t tokens, int64_t heads, int64_t dim, float* out,
-            int64_t ld, Load load) {
+            int64_t ld, const int64_t* rows, Load load) {
   const char* base = static_cast<const char*>(p.data);
 #pragma omp parallel for schedule(static) if (tokens * heads * dim >= kParallelElements)
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t h = 0; h < heads; ++h) {
-      const char* row = base + (t * p.token_stride + h * p.head_stride) * es;
+      const int64_t token = rows ? rows[t] : t;
+      const char* row = base + (token * p.token_stride + h * p.head_stride) * es;
       float* o = out + t * ld + h * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] = load(row + d * p.dim_stride * es);
     }
@@ -91,22 +92,22 @@ void scatter(const float* in, int64_t ld, int64_t es, int64_t tokens, int64_t he
 }  // namespace
 
 void load_plane(const KVPlane& p, DType dtype, int64_t tokens, int64_t heads, int64_t dim,
-                float* out, int64_t ld) {
+                float* out, int64_t ld, const int64_t* rows) {
   switch (dtype) {
     case DType::kFloat32:
-      return gather(p, 4, tokens, heads, dim, out, ld, [](const char* s) {
+      return gather(p, 4, tokens, heads, dim, out, ld, rows, [](const char* s) {
         float f;
         std::memcpy(&f, s, 4);
         return f;
       });
     case DType::kBFloat16:
-      return gather(p, 2, tokens, heads, dim, out, ld, [](const char* s) {
+      return gather(p, 2, tokens, heads, dim, out, ld, rows, [](const char* s) {
         uint16_t b;
         std::memcpy(&b, s, 2);
         return bf16_to_float(b);
       });
     case DType::kFloat16:
-      return gather(p, 2, tokens, heads, dim, out, ld, [](const char* s) {
+      return gather(p, 2, tokens, heads, dim, out, ld, rows, [](const char* s) {
         uint16_t b;
         std::memcpy(&b, s, 2);
         return fp16_to_float(b);
@@ -162,7 +163,7 @@ std::vector<double> rope_inv_freq(const ModelSpec& spec) {
 namespace {
 template <typename T>
 void fill_rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
-                     RopeTable<T>& table) {
+                     RopeTable<T>& table, const int64_t* offsets) {
   const int64_t half = static_cast<int64_t>(inv_freq.size());
   table.tokens = tokens;
   table.half = half;
@@ -170,7 +171,7 @@ void fill_rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int
   table.sin.resize(static_cast<size_t>(tokens * half));
 #pragma omp parallel for schedule(static) if (tokens * half >= kParallelElements / 8)
   for (int64_t t = 0; t < tokens; ++t) {
-    const double pos = static_cast<double>(start_pos + t);
+    const double pos = static_cast<double>(start_pos + (offsets ? offsets[t] : t));
     for (int64_t i = 0; i < half; ++i) {
       const double angle = pos * inv_freq[static_cast<size_t>(i)];  // angles in float64
       table.cos[static_cast<size_t>(t * half + i)] = static_cast<T>(std::cos(angle));
@@ -210,23 +211,27 @@ constexpr int64_t kRopeBlockTokens = 1024;
 template <typename T>
 void rope_positions(const ModelSpec& spec, const std::vector<double>& inv_freq,
                     int64_t start_pos, bool inverse, int64_t tokens, int64_t heads, T* x,
-                    int64_t ld) {
+                    int64_t ld, const int64_t* offsets) {
   RopeTable<T> table;
   for (int64_t t0 = 0; t0 < tokens; t0 += kRopeBlockTokens) {
     const int64_t n = std::min(kRopeBlockTokens, tokens - t0);
-    fill_rope_table(inv_freq, start_pos + t0, n, table);
+    if (offsets) {
+      fill_rope_table(inv_freq, start_pos, n, table, offsets + t0);
+    } else {
+      fill_rope_table(inv_freq, start_pos + t0, n, table, nullptr);
+    }
     rope_impl(spec, table, inverse, heads, x + t0 * ld, ld);
   }
 }
 }  // namespace
 
 void rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
-                RopeTable<float>& table) {
-  fill_rope_table(inv_freq, start_pos, tokens, table);
+                RopeTable<float>& table, const int64_t* offsets) {
+  fill_rope_table(inv_freq, start_pos, tokens, table, offsets);
 }
 void rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
-                RopeTable<double>& table) {
-  fill_rope_table(inv_freq, start_pos, tokens, table);
+                RopeTable<double>& table, const int64_t* offsets) {
+  fill_rope_table(inv_freq, start_pos, tokens, table, offsets);
 }
 
 void apply_rope(const ModelSpec& spec, const RopeTable<float>& table, bool inverse,
@@ -239,12 +244,14 @@ void apply_rope(const ModelSpec& spec, const RopeTable<double>& table, bool inve
 }
 
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-                bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld) {
-  rope_positions(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld);
+                bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld,
+                const int64_t* offsets) {
+  rope_positions(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld, offsets);
 }
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-                bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld) {
-  rope_positions(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld);
+                bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld,
+                const int64_t* offsets) {
+  rope_positions(spec, inv_freq, start_pos, inverse, tokens, heads, x, ld, offsets);
 }
 
 }  // namespace kvbridge::detail

@@ -18,8 +18,9 @@ uint16_t float_to_fp16(float value) noexcept;  // round to nearest even, overflo
 
 /// Copies plane [tokens, heads, dim] (any dtype, any strides) into `out`, dense row-major
 /// float32 with row length heads*dim: out[t * ld + h * dim + d], ld >= heads*dim.
+/// rows: nullptr, or the plane's token to read for each output row t (rows[t]; a gather).
 void load_plane(const KVPlane& plane, DType dtype, int64_t tokens, int64_t heads, int64_t dim,
-                float* out, int64_t ld);
+                float* out, int64_t ld, const int64_t* rows = nullptr);
 /// The inverse of load_plane: rounds `in` to `dtype` and writes the strided plane.
 void store_plane(const float* in, int64_t ld, DType dtype, int64_t tokens, int64_t heads,
                  int64_t dim, const KVPlane& plane);
@@ -46,11 +47,12 @@ struct RopeTable {
   int64_t tokens = 0, half = 0;
   std::vector<T> cos, sin;
 };
-/// Fills `table` for positions start_pos .. start_pos + tokens - 1 (reusing its storage).
+/// Fills `table` (reusing its storage) for positions start_pos + t, t < tokens, or
+/// start_pos + offsets[t] when offsets (`tokens` of them) is given.
 void rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
-                RopeTable<float>& table);
+                RopeTable<float>& table, const int64_t* offsets = nullptr);
 void rope_table(const std::vector<double>& inv_freq, int64_t start_pos, int64_t tokens,
-                RopeTable<double>& table);
+                RopeTable<double>& table, const int64_t* offsets = nullptr);
 
 /// Rotates (inverse = false) or un-rotates (inverse = true) keys in place with the angles of
 /// `table`: rows of `x` are its tokens (table.tokens of them), each `heads` heads of
@@ -60,11 +62,14 @@ void apply_rope(const ModelSpec& spec, const RopeTable<float>& table, bool inver
 void apply_rope(const ModelSpec& spec, const RopeTable<double>& table, bool inverse,
                 int64_t heads, double* x, int64_t ld);
 
-/// As above for tokens at absolute positions start_pos + t, the angles computed on the way.
+/// As above for tokens at absolute positions start_pos + t (start_pos + offsets[t] when offsets
+/// is given), the angles computed on the way.
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-                bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld);
+                bool inverse, int64_t tokens, int64_t heads, float* x, int64_t ld,
+                const int64_t* offsets = nullptr);
 /// float64 version, the reference for tests.
 void apply_rope(const ModelSpec& spec, const std::vector<double>& inv_freq, int64_t start_pos,
-                bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld);
+                bool inverse, int64_t tokens, int64_t heads, double* x, int64_t ld,
+                const int64_t* offsets = nullptr);
 
 }  // namespace kvbridge::detail

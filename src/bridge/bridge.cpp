@@ -7,9 +7,12 @@
 #include <cstdio>
 #include <deque>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <new>
+#include <optional>
 
+#include "kvbridge/align.h"
 #include "kvbridge/error.h"
 
 namespace kvbridge {
@@ -80,7 +83,8 @@ struct Bridge::Impl {
   std::atomic<int64_t> saves{0}, loads{0}, native_hits{0}, converted_hits{0}, misses{0},
       conversions{0}, native_tokens{0}, converted_tokens{0}, written_back_tokens{0},
       skipped_quality{0}, skipped_stale{0}, skipped_disabled{0}, quality_checks{0},
-      quality_disables{0}, lookup_ns{0}, convert_ns{0};
+      quality_disables{0}, lookup_ns{0}, convert_ns{0}, cross_tokenizer_loads{0},
+      unverified_tokens{0}, aligned_hits{0};
 
   bool usable(const Registered& r) const { return r.quality >= options.min_quality; }
 
@@ -155,10 +159,16 @@ void Bridge::add_adapter(std::shared_ptr<const LinearAdapter> adapter, bool repl
   KVB_CHECK(entry.source_fp != entry.target_fp,
             "add_adapter: source and target are the same model '" << source.name
                                                                    << "' (its own cache is used)");
-  KVB_CHECK(!source.tokenizer.empty() && source.tokenizer == target.tokenizer,
-            "add_adapter: cross-model reuse needs equal, non-empty tokenizer ids, got '"
+  KVB_CHECK(!source.tokenizer.empty() && !target.tokenizer.empty(),
+            "add_adapter: cross-model reuse needs non-empty tokenizer ids, got '"
                 << source.tokenizer << "' (" << source.name << ") and '" << target.tokenizer
                 << "' (" << target.name << ")");
+  KVB_CHECK(source.tokenizer == target.tokenizer || !adapter->report().alignment_policy.empty(),
+            "add_adapter: " << source.name << " and " << target.name
+                            << " have different tokenizer ids ('" << source.tokenizer << "', '"
+                            << target.tokenizer
+                            << "'); such a pair needs an adapter fitted with an alignment policy "
+                               "(FitOptions::alignment_policy) on aligned samples");
   entry.quality = quality(*adapter);
   entry.adapter = adapter;
   std::shared_ptr<const LinearAdapter> replaced;
@@ -217,10 +227,60 @@ int64_t Bridge::save(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
 }
 
 Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) {
+  return load_impl(spec, tokens, nullptr, nullptr, ns);
+}
+
+Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
+                  const TokenizeText& tokenize, std::string_view ns) {
+  KVB_CHECK(static_cast<bool>(tokenize), "load: tokenize must be callable");
+  return load_impl(spec, tokens, &target, &tokenize, ns);
+}
+
+namespace {
+
+// Checks a tokenization's shape (ids in range, one span per id, roles empty or one per id).
+void check_tokenization(const Tokenization& t, const char* what) {
+  KVB_CHECK(t.spans.size() == t.ids.size(),
+            what << ": " << t.ids.size() << " ids but " << t.spans.size() << " spans");
+  KVB_CHECK(t.roles.empty() || t.roles.size() == t.ids.size(),
+            what << ": " << t.ids.size() << " ids but " << t.roles.size() << " roles");
+  if (!t.ids.empty()) check_tokens(TokenSpan(t.ids.data(), t.ids.size()));
+}
+
+// One way to serve a load: a registered adapter and the source's cached prefix; with an
+// alignment (across tokenizers) the target tokens [0, length) are computed from source tokens
+// alignment[j] of that prefix.
+struct Candidate {
+  const Registered* registered = nullptr;
+  Match match;
+  int64_t length = 0;
+  std::vector<int64_t> alignment;  // empty: same tokenizer, token j from source token j
+};
+
+}  // namespace
+
+Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
+                       const TokenizeText* tokenize, std::string_view ns) {
   Impl& m = *impl_;
   spec.validate();
   if (tokens.size > 0) check_tokens(tokens);
+  int64_t verified = 0;
+  if (target) {
+    check_tokenization(*target, "target tokenization");
+    verified = static_cast<int64_t>(target->ids.size());
+    bool prefix = verified <= static_cast<int64_t>(tokens.size);
+    for (int64_t i = 0; prefix && i < verified; ++i)
+      prefix = target->ids[static_cast<size_t>(i)] ==
+               (tokens.data ? tokens.data[i] : static_cast<int64_t>(tokens.data32[i]));
+    KVB_CHECK(prefix, "load: the target tokenization's " << verified
+                                                         << " ids must be a prefix of tokens");
+  }
   m.loads.fetch_add(1, std::memory_order_relaxed);
+  if (target) {
+    m.cross_tokenizer_loads.fetch_add(1, std::memory_order_relaxed);
+    m.unverified_tokens.fetch_add(static_cast<int64_t>(tokens.size) - verified,
+                                  std::memory_order_relaxed);
+  }
   Load out;
   const int64_t n = static_cast<int64_t>(tokens.size);
   const int64_t limit = n - 1;  // the target computes at least the last token itself
@@ -235,6 +295,7 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
   const int64_t native_len = native.tokens();
 
   // Candidates: adapters to exactly this spec, copied out so the lock is not held while working.
+  // Same-tokenizer adapters always; adapters across tokenizers only with a target tokenization.
   const std::string target_fp = spec.fingerprint();
   std::vector<Registered> candidates;
   int64_t skipped_quality = 0, skipped_stale = 0, skipped_disabled = 0;
@@ -245,6 +306,7 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
         if (r.adapter->target().name == spec.name) ++skipped_stale;
         continue;
       }
+      if (r.adapter->source().tokenizer != spec.tokenizer && !target) continue;
       if (!m.usable(r)) {
         ++skipped_quality;
         continue;
@@ -267,23 +329,62 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
   auto converted_end = [&](int64_t source_len) {
     return tail == 0 ? source_len : std::min(source_len, limit - tail);
   };
-  // The longest source prefix; ties go to the higher quality, then the earlier registered.
-  const Registered* best = nullptr;
-  Match best_match;
+  // The longest prefix; ties go to the higher quality, then the earlier registered.
+  Candidate best;
+  std::map<std::string, std::optional<Tokenization>> texts;  // per source tokenizer id
   for (const Registered& r : candidates) {
-    start = Clock::now();
-    Match found = m.store.match(r.adapter->source(), tokens, ns);
-    m.lookup_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
-    const int64_t len = converted_end(found.tokens());
-    if (std::min(len, limit) <= std::min(native_len, limit)) continue;
-    if (best && (len < converted_end(best_match.tokens()) ||
-                 (len == converted_end(best_match.tokens()) && r.quality <= best->quality)))
+    const ModelSpec& source = r.adapter->source();
+    Candidate c;
+    c.registered = &r;
+    if (source.tokenizer == spec.tokenizer) {
+      start = Clock::now();
+      c.match = m.store.match(source, tokens, ns);
+      m.lookup_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+      c.length = std::min(converted_end(c.match.tokens()), limit);
+    } else {
+      auto it = texts.find(source.tokenizer);
+      if (it == texts.end()) {  // the caller tokenizes the text once per source tokenizer
+        std::optional<Tokenization> got;
+        Tokenization t;
+        if ((*tokenize)(source.tokenizer, t)) {
+          check_tokenization(t, "source tokenization");
+          got = std::move(t);
+        }
+        it = texts.emplace(source.tokenizer, std::move(got)).first;
+      }
+      if (!it->second) continue;  // a tokenizer the caller does not know
+      const Tokenization* text = &*it->second;
+      start = Clock::now();
+      c.match = m.store.match(source, TokenSpan(text->ids.data(), text->ids.size()), ns);
+      m.lookup_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+      const int64_t cached = c.match.tokens();
+      if (cached == 0) continue;
+      c.alignment = align(text->spans, target->spans,
+                          parse_align_policy(r.adapter->report().alignment_policy), text->roles,
+                          target->roles);
+      // The cached source tokens have seen the text up to `seen`; target token j is served when
+      // its source token is cached and its own text lies inside that.
+      int64_t seen = 0;
+      for (int64_t i = 0; i < cached; ++i)
+        seen = std::max(seen, text->spans[static_cast<size_t>(i)].end);
+      const int64_t most = std::min(verified, tail == 0 ? limit : limit - tail);
+      while (c.length < most) {
+        const int64_t a = c.alignment[static_cast<size_t>(c.length)];
+        if (a == kNoSource || a >= cached ||
+            target->spans[static_cast<size_t>(c.length)].end > seen)
+          break;
+        ++c.length;
+      }
+      c.alignment.resize(static_cast<size_t>(c.length));
+    }
+    if (c.length <= std::min(native_len, limit)) continue;
+    if (best.registered && (c.length < best.length ||
+                            (c.length == best.length && r.quality <= best.registered->quality)))
       continue;
-    best = &r;
-    best_match = std::move(found);
+    best = std::move(c);
   }
 
-  if (!best) {
+  if (!best.registered) {
     if (native_len == 0) {
       m.misses.fetch_add(1, std::memory_order_relaxed);
       return out;
@@ -307,28 +408,44 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
     return out;
   }
 
-  // Native [0, native_len) as stored, source [native_len, total) converted at its positions.
-  const LinearAdapter& adapter = *best->adapter;
-  const int64_t total = converted_end(best_match.tokens());
+  // Native [0, native_len) as stored, [native_len, total) converted: from source tokens at the
+  // same positions, or across tokenizers from the source tokens the alignment names (only the
+  // source range [lo, hi) they span is copied out of the store).
+  const LinearAdapter& adapter = *best.registered->adapter;
+  const bool aligned = !best.alignment.empty();
+  const int64_t total = aligned ? best.length : converted_end(best.match.tokens());
   const int64_t missing = total - native_len;
+  int64_t lo = native_len, hi = total;
+  std::vector<int64_t> rows;
+  if (aligned) {
+    rows.assign(best.alignment.begin() + native_len, best.alignment.end());
+    lo = *std::min_element(rows.begin(), rows.end());
+    hi = *std::max_element(rows.begin(), rows.end()) + 1;
+    for (int64_t& r : rows) r -= lo;
+  }
   std::shared_ptr<void> buffer = allocate_kv(spec, total);
   const KVView full = dense_view(buffer.get(), spec, total);
-  std::shared_ptr<void> source_kv = allocate_kv(adapter.source(), missing);
-  const KVView source_view = dense_view(source_kv.get(), adapter.source(), missing);
+  std::shared_ptr<void> source_kv = allocate_kv(adapter.source(), hi - lo);
+  const KVView source_view = dense_view(source_kv.get(), adapter.source(), hi - lo);
   start = Clock::now();
   if (native_len > 0) native.copy_range_to(0, full.slice_tokens(0, native_len));
-  best_match.copy_range_to(native_len, source_view);
+  best.match.copy_range_to(lo, source_view);
   m.lookup_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   // Unpin before converting: the store may need the room for the write-back.
   native = Match();
-  best_match = Match();
+  best.match = Match();
 
   start = Clock::now();
-  adapter.convert(source_view, native_len, full.slice_tokens(native_len, missing));
+  if (aligned) {
+    adapter.convert(source_view, lo, full.slice_tokens(native_len, missing), rows, native_len);
+  } else {
+    adapter.convert(source_view, native_len, full.slice_tokens(native_len, missing));
+  }
   m.convert_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   source_kv.reset();
   m.conversions.fetch_add(1, std::memory_order_relaxed);
   m.converted_tokens.fetch_add(missing, std::memory_order_relaxed);
+  if (aligned) m.aligned_hits.fetch_add(1, std::memory_order_relaxed);
 
   const Provenance provenance{adapter.source().fingerprint(), adapter.fingerprint()};
   if (m.options.write_back) {
@@ -342,7 +459,7 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
   out.native_tokens_ = native_len;
   out.converted_ = true;
   out.source_ = adapter.source().name;
-  out.quality_ = best->quality;
+  out.quality_ = best.registered->quality;
   out.converted_from_ = provenance.source_fingerprint;
   out.adapter_ = provenance.adapter_fingerprint;
   out.buffer_view_ = full.slice_tokens(0, out.tokens_);
@@ -450,6 +567,9 @@ BridgeStats Bridge::stats() const {
   s.adapters_skipped_disabled = get(m.skipped_disabled);
   s.quality_checks = get(m.quality_checks);
   s.quality_disables = get(m.quality_disables);
+  s.cross_tokenizer_loads = get(m.cross_tokenizer_loads);
+  s.unverified_tokens = get(m.unverified_tokens);
+  s.aligned_hits = get(m.aligned_hits);
   s.lookup_seconds = static_cast<double>(get(m.lookup_ns)) * 1e-9;
   s.convert_seconds = static_cast<double>(get(m.convert_ns)) * 1e-9;
   std::lock_guard<std::mutex> lock(m.mu);
@@ -527,6 +647,13 @@ std::string Bridge::prometheus_text() const {
   counter("adapters_skipped_stale_total",
           "Adapters whose target has a load's model name but another fingerprint.",
           d(s.adapters_skipped_stale));
+  counter("cross_tokenizer_loads_total", "Loads given the prompt's text tokenization.",
+          d(s.cross_tokenizer_loads));
+  counter("unverified_tokens_total",
+          "Prompt tokens past the part whose decode and re-encode round trip held.",
+          d(s.unverified_tokens));
+  counter("aligned_hits_total", "Loads that used a prefix converted across tokenizers.",
+          d(s.aligned_hits));
   counter("lookup_seconds_total", "Seconds spent in store lookups and copies out of the store.",
           s.lookup_seconds);
   counter("convert_seconds_total", "Seconds spent converting through adapters.",

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "kernels/convert_elements.cuh"
 #include "src/adapter/numeric.h"
 #include "test_util.h"
 
@@ -153,23 +154,34 @@ struct PlantedPair {
   }
   // Builds a (source, target) pair of post-RoPE caches for T tokens.
   void sample(int64_t T, int64_t start_pos, uint32_t seed, FloatKV& src, FloatKV& tgt) const {
+    (void)T;
+    sample_aligned(nullptr, start_pos, start_pos, seed, src, tgt);
+  }
+  // Two tokenizations: target token t is the planted map of source token rows[t] (noise where
+  // rows[t] is kNoSource), source keys rotated at start_pos + i, target keys at target_start + t.
+  void sample_aligned(const std::vector<int64_t>* rows, int64_t start_pos, int64_t target_start,
+                      uint32_t seed, FloatKV& src, FloatKV& tgt) const {
     std::mt19937 rng(seed);
     fill_position_free(src, rng);
+    fill_position_free(tgt, rng);
     const int64_t sw = 2 * 8, tw = 3 * 6;
     for (int64_t j = 0; j < 2; ++j)
       for (int k = 0; k < 2; ++k)
-        for (int64_t t = 0; t < T; ++t)
+        for (int64_t t = 0; t < tgt.tokens; ++t) {
+          const int64_t i = rows ? (*rows)[static_cast<size_t>(t)] : t;
+          if (i == kNoSource) continue;
           for (int64_t o = 0; o < tw; ++o) {
             double acc = b[j][k][o];
             for (size_t s = 0; s < planted[j].size(); ++s)
               for (int kk = 0; kk < 2; ++kk)
                 for (int64_t f = 0; f < sw; ++f)
-                  acc += src.plane(planted[j][s], kk)[t * sw + f] *
+                  acc += src.plane(planted[j][s], kk)[i * sw + f] *
                          w[j][k][((s * 2 + kk) * sw + f) * tw + o];
             tgt.plane(j, k)[t * tw + o] = static_cast<float>(acc);
           }
+        }
     rotate_keys(src, start_pos);
-    rotate_keys(tgt, start_pos);
+    rotate_keys(tgt, target_start);
   }
 };
 
@@ -413,6 +425,46 @@ void fill_normal(HFKV& kv, const ModelSpec& spec, int64_t tokens, uint32_t seed)
     }
 }
 
+// An adapter on odd shapes (explicit, non-consecutive source layer sets) fitted on normal data.
+struct OddPair {
+  ModelSpec source, target;
+  LinearAdapter adapter;
+  explicit OddPair(DType dtype)
+      : source(make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf, dtype)),
+        target(make_spec("tgt", 4, 1, 14, 30000.0, RopeStyle::kInterleaved, dtype)),
+        adapter(fit(source, target)) {}
+  static LinearAdapter fit(const ModelSpec& source, const ModelSpec& target) {
+    FitOptions o;
+    o.selection = FitOptions::Selection::kExplicit;
+    o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
+    AdapterFitter fitter(source, target, o);
+    HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
+    fill_normal(fs, source, 211, 5);
+    fill_normal(ft, target, 211, 6);
+    fitter.add(fs.view(), ft.view(), 0);
+    return fitter.fit();
+  }
+};
+
+// Every plane of `fast` within the float32 path's tolerance for `dtype` of the reference's
+// largest magnitude (per plane).
+void expect_near_reference(const KVView& fast, const KVView& ref, DType dtype) {
+  const double tol = dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 4e-3;
+  const int64_t T = ref.tokens(), w = ref.kv_heads() * ref.head_dim();
+  std::vector<float> a(static_cast<size_t>(T * w)), b(a.size());
+  for (int64_t l = 0; l < ref.num_layers(); ++l)
+    for (int k = 0; k < 2; ++k) {
+      const auto kind = static_cast<KVView::Kind>(k);
+      detail::load_plane(fast.plane(l, kind), dtype, T, ref.kv_heads(), ref.head_dim(), a.data(), w);
+      detail::load_plane(ref.plane(l, kind), dtype, T, ref.kv_heads(), ref.head_dim(), b.data(), w);
+      double scale = 0;
+      for (float v : b) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+      ASSERT_GT(scale, 0.0);
+      for (size_t i = 0; i < a.size(); ++i)
+        ASSERT_NEAR(a[i], b[i], tol * scale) << l << " " << k << " " << i;
+    }
+}
+
 // (dtype, tokens): 37 tokens convert in one block; 601 in several, in parallel when there are
 // several OpenMP threads (the float32 path blocks tokens to bound its memory, the float64
 // reference does not; for these shapes 2 or more blocks in float32, 3 or more in bfloat16 and
@@ -421,17 +473,9 @@ class ConvertVsReference : public ::testing::TestWithParam<std::tuple<DType, int
 
 TEST_P(ConvertVsReference, StridedOddSizes) {
   const DType dtype = std::get<0>(GetParam());
-  ModelSpec source = make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf, dtype);
-  ModelSpec target = make_spec("tgt", 4, 1, 14, 30000.0, RopeStyle::kInterleaved, dtype);
-  FitOptions o;
-  o.selection = FitOptions::Selection::kExplicit;
-  o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
-  AdapterFitter fitter(source, target, o);
-  HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
-  fill_normal(fs, source, 211, 5);
-  fill_normal(ft, target, 211, 6);
-  fitter.add(fs.view(), ft.view(), 0);
-  const LinearAdapter adapter = fitter.fit();
+  const OddPair pair(dtype);
+  const ModelSpec &source = pair.source, &target = pair.target;
+  const LinearAdapter& adapter = pair.adapter;
 
   const int64_t T = std::get<1>(GetParam()), start = 1001;
   HFKV src(source, T, 3, 7);
@@ -439,17 +483,7 @@ TEST_P(ConvertVsReference, StridedOddSizes) {
   HFKV fast(target, T, 2, 1), ref(target, T, 0, 2);
   adapter.convert(src.view(), start, fast.view());
   adapter.convert_reference(src.view(), start, ref.view());
-  const double tol = dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 4e-3;
-  std::vector<float> a(static_cast<size_t>(T * 14)), b(a.size());
-  for (int64_t l = 0; l < 4; ++l)
-    for (int k = 0; k < 2; ++k) {
-      detail::load_plane(fast.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14, a.data(), 14);
-      detail::load_plane(ref.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14, b.data(), 14);
-      double scale = 0;
-      for (float v : b) scale = std::max(scale, static_cast<double>(std::fabs(v)));
-      ASSERT_GT(scale, 0.0);
-      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], tol * scale) << l << " " << k << " " << i;
-    }
+  expect_near_reference(fast.view(), ref.view(), dtype);
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypes, ConvertVsReference,
@@ -531,6 +565,258 @@ TEST(AdapterFitter, BadInput) {
   o = FitOptions{};
   o.max_memory_bytes = 1000;
   EXPECT_THROW(AdapterFitter(pair.source, pair.target, o), InvalidArgument);
+}
+
+// A monotone alignment of `target` tokens onto `source` ones as two tokenizations give it: runs
+// of target tokens share a source token, source tokens are skipped, and (missing) the first
+// target tokens have none.
+std::vector<int64_t> tokenization_alignment(int64_t source, int64_t target, uint32_t seed,
+                                            int64_t missing = 0) {
+  std::mt19937 rng(seed);
+  std::vector<int64_t> a(static_cast<size_t>(target), kNoSource);
+  for (int64_t j = missing; j < target; ++j)
+    a[static_cast<size_t>(j)] = std::min<int64_t>(source - 1, (j - missing) * source / target +
+                                                                  static_cast<int64_t>(rng() % 2));
+  std::sort(a.begin() + missing, a.end());
+  return a;
+}
+
+TEST(AdapterFitter, RecoversPlantedMapThroughTwoTokenizations) {
+  PlantedPair pair;
+  FitOptions o;
+  o.alignment_policy = "seen";
+  AdapterFitter fitter(pair.source, pair.target, o);
+  int64_t paired = 0;
+  for (int i = 0; i < 6; ++i) {
+    const int64_t ts = 61 + 7 * i, tt = 89 - 5 * i;  // source and target token counts differ
+    const auto rows = tokenization_alignment(ts, tt, 10 + i, /*missing=*/2);
+    FloatKV src(pair.source, ts), tgt(pair.target, tt);
+    pair.sample_aligned(&rows, 13 + 200 * i, 13 + 200 * i, 100 + i, src, tgt);
+    fitter.add(src.view(), tgt.view(), 13 + 200 * i, rows);
+    paired += tt - 2;
+  }
+  EXPECT_EQ(fitter.train_tokens() + fitter.holdout_tokens(), paired);  // the -1 rows are skipped
+  const LinearAdapter adapter = fitter.fit();
+  EXPECT_EQ(adapter.report().alignment_policy, "seen");
+  for (const LayerFit& lf : adapter.report().layers) {
+    EXPECT_GT(lf.r2_key, 0.9999);
+    EXPECT_GT(lf.r2_value, 0.9999);
+  }
+  // Fresh data: the aligned convert reproduces the target's cache, source and target at
+  // different positions.
+  const int64_t ts = 40, tt = 57;
+  auto rows = tokenization_alignment(ts, tt, 77);
+  FloatKV src(pair.source, ts), tgt(pair.target, tt), out(pair.target, tt);
+  pair.sample_aligned(&rows, 3000, 4100, 999, src, tgt);
+  adapter.convert(src.view(), 3000, out.view(), rows, 4100);
+  EXPECT_LT(relative_rms_error(out.data, tgt.data), 1e-3);
+  // The same data without the alignment is a different (wrong) answer: the check can fail.
+  FloatKV same(pair.target, ts);
+  adapter.convert(src.view(), 3000, same.view());
+  std::vector<float> first(tgt.data.begin(), tgt.data.begin() + 10);
+  EXPECT_NE(std::vector<float>(same.data.begin(), same.data.begin() + 10), first);
+}
+
+// Positions and entries of an aligned convert or add are checked before anything is touched.
+TEST(AdapterFitter, AlignmentBadInput) {
+  PlantedPair pair;
+  AdapterFitter fitter(pair.source, pair.target);
+  FloatKV src(pair.source, 10), tgt(pair.target, 12);
+  std::mt19937 rng(1);
+  fill_position_free(src, rng);
+  fill_position_free(tgt, rng);
+  std::vector<int64_t> rows = tokenization_alignment(10, 12, 3);
+  EXPECT_THROW(fitter.add(src.view(), tgt.view(), 0, std::vector<int64_t>(11, 0)),
+               InvalidArgument);  // length
+  rows[4] = 10;
+  EXPECT_THROW(fitter.add(src.view(), tgt.view(), 0, rows), InvalidArgument);  // out of range
+  rows[4] = -2;
+  EXPECT_THROW(fitter.add(src.view(), tgt.view(), 0, rows), InvalidArgument);
+  EXPECT_EQ(fitter.train_tokens() + fitter.holdout_tokens(), 0);
+  FitOptions bad;
+  bad.alignment_policy = "nearest";
+  EXPECT_THROW(AdapterFitter(pair.source, pair.target, bad), InvalidArgument);
+
+  for (int i = 0; i < 3; ++i) fitter.add(src.view(), tgt.view(), 100 * i,
+                                         tokenization_alignment(10, 12, 3 + i, 1));
+  const LinearAdapter adapter = fitter.fit();
+  FloatKV out(pair.target, 12);
+  rows = tokenization_alignment(10, 12, 3, /*missing=*/1);
+  EXPECT_THROW(adapter.convert(src.view(), 0, out.view(), rows, 0), InvalidArgument);  // -1
+  rows[0] = 0;
+  EXPECT_THROW(adapter.convert(src.view(), 0, out.view(), std::vector<int64_t>(5, 0), 0),
+               InvalidArgument);
+  EXPECT_THROW(adapter.convert(src.view(), 0, out.view(), rows, -1), InvalidArgument);
+  EXPECT_THROW(adapter.convert(src.view(), 0, out.view(), rows, (int64_t{1} << 53) - 3),
+               InvalidArgument);
+  EXPECT_THROW(adapter.convert(src.view(), -1, out.view(), rows, 0), InvalidArgument);
+  EXPECT_THROW(adapter.convert(src.view(), 0, out.view()), InvalidArgument);  // counts differ
+  adapter.convert(src.view(), 0, out.view(), rows, 0);
+}
+
+// Gathers the aligned source by hand (keys moved from source position start + a(j) to target
+// position tstart + j) so the plain float64 reference gives what the aligned one must.
+void gathered_source(const ModelSpec& spec, const KVView& src, int64_t start,
+                     const std::vector<int64_t>& rows, int64_t tstart, FloatKV& out) {
+  const int64_t w = spec.num_kv_heads * spec.head_dim, n = static_cast<int64_t>(rows.size());
+  const auto inv = detail::rope_inv_freq(spec);
+  for (int64_t l = 0; l < spec.num_layers; ++l)
+    for (int k = 0; k < 2; ++k) {
+      float* p = out.plane(l, k);
+      detail::load_plane(src.plane(l, static_cast<KVView::Kind>(k)), src.dtype(), n,
+                         spec.num_kv_heads, spec.head_dim, p, w, rows.data());
+      if (k == 0) {
+        detail::apply_rope(spec, inv, start, true, n, spec.num_kv_heads, p, w, rows.data());
+        detail::apply_rope(spec, inv, tstart, false, n, spec.num_kv_heads, p, w);
+      }
+    }
+}
+
+// (dtype, target tokens): odd sizes, one block and several; strided views; an alignment with
+// repeats, skips and out-of-order entries.
+class AlignedConvertVsReference
+    : public ::testing::TestWithParam<std::tuple<DType, int64_t>> {};
+
+TEST_P(AlignedConvertVsReference, StridedOddSizes) {
+  const DType dtype = std::get<0>(GetParam());
+  const OddPair pair(dtype);
+  const ModelSpec &source = pair.source, &target = pair.target;
+  const LinearAdapter& adapter = pair.adapter;
+
+  const int64_t T = std::get<1>(GetParam()), S = T / 2 + 17, start = 1001, tstart = 77;
+  std::vector<int64_t> rows = tokenization_alignment(S, T, 9);
+  std::swap(rows[3], rows[T - 2]);  // out of order
+  HFKV src(source, S, 3, 7);
+  fill_normal(src, source, S, 8);
+  HFKV fast(target, T, 2, 1), ref(target, T, 0, 2);
+  adapter.convert(src.view(), start, fast.view(), rows, tstart);
+  adapter.convert_reference(src.view(), start, ref.view(), rows, tstart);
+  // The aligned reference equals the plain reference of the hand-gathered source (float32
+  // source, so the gather's rounding is exact).
+  if (dtype == DType::kFloat32) {
+    FloatKV g(source, T), plain(target, T);
+    gathered_source(source, src.view(), start, rows, tstart, g);
+    adapter.convert_reference(g.view(), tstart, plain.view());
+    std::vector<float> b(static_cast<size_t>(T * 14));
+    for (int64_t l = 0; l < 4; ++l)
+      for (int k = 0; k < 2; ++k) {
+        detail::load_plane(ref.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14,
+                           b.data(), 14);
+        const float* p = plain.plane(l, k);
+        for (size_t i = 0; i < b.size(); ++i) ASSERT_NEAR(b[i], p[i], 1e-5 * (1 + std::fabs(p[i])));
+      }
+  }
+  expect_near_reference(fast.view(), ref.view(), dtype);
+  // The identity alignment at equal positions is the plain convert, bit for bit.
+  if (S >= T) return;
+  std::vector<int64_t> identity(static_cast<size_t>(S));
+  for (int64_t i = 0; i < S; ++i) identity[static_cast<size_t>(i)] = i;
+  HFKV x(target, S, 1, 3), y(target, S, 1, 4);
+  adapter.convert(src.view(), start, x.view(), identity, start);
+  adapter.convert(src.view(), start, y.view());
+  EXPECT_TRUE(testing::same_elements(x.view(), y.view()));
+}
+
+INSTANTIATE_TEST_SUITE_P(DTypes, AlignedConvertVsReference,
+                         ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16,
+                                                              DType::kFloat16),
+                                            ::testing::Values(int64_t{37}, int64_t{211})));
+
+// The CUDA kernels' per-element functions (kernels/convert_elements.cuh), run on the host in the
+// order the device runs them (RoPE tables, gather, GEMM, epilogue) with float32 features, against
+// the float64 reference of the aligned convert: the device arithmetic and indexing, checked where
+// no device is.
+TEST(ConvertElements, HostRunOfTheDevicePipelineMatchesReference) {
+  for (const bool interleaved_source : {false, true}) {
+    ModelSpec source = make_spec("src", 2, 3, 10, 10000.0,
+                                 interleaved_source ? RopeStyle::kInterleaved : RopeStyle::kHalf);
+    ModelSpec target = make_spec("tgt", 3, 2, 6, 30000.0,
+                                 interleaved_source ? RopeStyle::kHalf : RopeStyle::kInterleaved);
+    FitOptions o;
+    o.selection = FitOptions::Selection::kAll;
+    AdapterFitter fitter(source, target, o);
+    HFKV fs(source, 150, 1, 5), ft(target, 150, 3, 6);
+    fill_normal(fs, source, 150, 5);
+    fill_normal(ft, target, 150, 6);
+    fitter.add(fs.view(), ft.view(), 0);
+    const LinearAdapter adapter = fitter.fit();
+
+    const int64_t S = 29, T = 43, start = 517, tstart = 9;
+    std::vector<int64_t> rows = tokenization_alignment(S, T, 4);
+    std::swap(rows[0], rows[T - 1]);
+    HFKV src(source, S, 3, 7);
+    fill_normal(src, source, S, 8);
+    HFKV dev(target, T, 2, 1), ref(target, T, 0, 2);
+    adapter.convert_reference(src.view(), start, ref.view(), rows, tstart);
+
+    const int64_t sh = source.num_kv_heads, sd = source.head_dim, th = target.num_kv_heads,
+                  td = target.head_dim, sw = sh * sd, tw = th * td;
+    const auto sinv = detail::rope_inv_freq(source), tinv = detail::rope_inv_freq(target);
+    std::vector<cuda::CosSin> stab(static_cast<size_t>(T * sd / 2)),
+        ttab(static_cast<size_t>(T * td / 2));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < sd / 2; ++i)
+        stab[static_cast<size_t>(t * sd / 2 + i)] =
+            cuda::rope_entry(start, rows.data(), t, sinv[static_cast<size_t>(i)]);
+      for (int64_t i = 0; i < td / 2; ++i)
+        ttab[static_cast<size_t>(t * td / 2 + i)] =
+            cuda::rope_entry(tstart, nullptr, t, tinv[static_cast<size_t>(i)]);
+    }
+    const int64_t ldf = source.num_layers * 2 * sw;
+    std::vector<float> features(static_cast<size_t>(T * ldf));
+    for (int64_t l = 0; l < source.num_layers; ++l)
+      for (int p = 0; p < sh * sd; ++p) {
+        const cuda::PairIndex ix = cuda::pair_index(p, static_cast<int>(sh),
+                                                    static_cast<int>(sd), interleaved_source);
+        const KVPlane plane = src.view().plane(l, static_cast<KVView::Kind>(ix.kind));
+        for (int64_t t = 0; t < T; ++t)
+          cuda::gather_pair(plane, cuda::source_row(rows.data(), t), ix,
+                            ix.kind == 0 ? &stab[static_cast<size_t>(t * sd / 2 + ix.pair)]
+                                         : nullptr,
+                            features.data() + t * ldf + l * 2 * sw + ix.kind * sw + ix.head * sd);
+      }
+    std::vector<float> y(static_cast<size_t>(T * 2 * tw));
+    for (int64_t j = 0; j < target.num_layers; ++j) {
+      ASSERT_EQ(adapter.report().layers[static_cast<size_t>(j)].source_layers.size(),
+                static_cast<size_t>(source.num_layers));
+      for (int64_t t = 0; t < T; ++t)
+        for (int kind = 0; kind < 2; ++kind)
+          for (int64_t c = 0; c < tw; ++c) {
+            double acc = 0;  // float32 products summed exactly enough: the GEMM's tolerance
+            const auto& w = adapter.weights(j, kind);
+            for (int64_t f = 0; f < ldf; ++f)
+              acc += static_cast<double>(features[static_cast<size_t>(t * ldf + f)]) *
+                     w[static_cast<size_t>(f * tw + c)];
+            y[static_cast<size_t>(t * 2 * tw + kind * tw + c)] = static_cast<float>(acc);
+          }
+      for (int p = 0; p < th * td; ++p) {
+        const cuda::PairIndex ix = cuda::pair_index(p, static_cast<int>(th),
+                                                    static_cast<int>(td), !interleaved_source);
+        const auto& bias = adapter.bias(j, ix.kind);
+        const KVPlane plane = dev.view().plane(j, static_cast<KVView::Kind>(ix.kind));
+        for (int64_t t = 0; t < T; ++t)
+          cuda::epilogue_pair<float>(
+              y.data() + t * 2 * tw + ix.kind * tw + ix.head * td,
+              bias[static_cast<size_t>(ix.head * td + ix.a)],
+              bias[static_cast<size_t>(ix.head * td + ix.b)], ix,
+              ix.kind == 0 ? &ttab[static_cast<size_t>(t * td / 2 + ix.pair)] : nullptr, plane,
+              t);
+      }
+    }
+    std::vector<float> a(static_cast<size_t>(T * tw)), b(a.size());
+    for (int64_t l = 0; l < target.num_layers; ++l)
+      for (int k = 0; k < 2; ++k) {
+        detail::load_plane(dev.view().plane(l, static_cast<KVView::Kind>(k)), DType::kFloat32, T,
+                           th, td, a.data(), tw);
+        detail::load_plane(ref.view().plane(l, static_cast<KVView::Kind>(k)), DType::kFloat32, T,
+                           th, td, b.data(), tw);
+        double scale = 0;
+        for (float v : b) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+        ASSERT_GT(scale, 0.0);
+        for (size_t i = 0; i < a.size(); ++i)
+          ASSERT_NEAR(a[i], b[i], 1e-4 * scale) << interleaved_source << " " << l << " " << k;
+      }
+  }
 }
 
 }  // namespace

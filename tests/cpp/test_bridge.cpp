@@ -382,6 +382,114 @@ TEST_F(BridgeTest, TokenizerMismatchNeverConverts) {
   EXPECT_THROW(bridge.add_adapter(fit_planted(s, t, 4)), InvalidArgument);
 }
 
+// Across tokenizers with the caller's tokenizations of one 12-byte text: the source has a BOS
+// and one token per byte, the target a BOS and four 3-byte tokens, plus one prompt token past the
+// verified text. The adapter is fitted on aligned random samples (its quality does not matter
+// here, the gate is off): the load must equal the adapter's aligned convert.
+TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
+  const ModelSpec s = spec_of("s", 2, 1, 4, 10000.0, "tok-a");
+  const ModelSpec t = spec_of("t", 1, 2, 6, 30000.0, "tok-b");
+  Tokenization source, target;
+  source.ids.push_back(1);
+  source.spans.push_back({0, 0});
+  source.roles.push_back("bos");
+  for (int64_t i = 0; i < 12; ++i) {
+    source.ids.push_back(100 + i);
+    source.spans.push_back({i, i + 1});
+    source.roles.push_back("");
+  }
+  target.ids.push_back(7);
+  target.spans.push_back({0, 0});
+  target.roles.push_back("bos");
+  for (int64_t j = 0; j < 4; ++j) {
+    target.ids.push_back(200 + j);
+    target.spans.push_back({3 * j, 3 * j + 3});
+    target.roles.push_back("");
+  }
+  const std::vector<int64_t> rows =
+      align(source.spans, target.spans, AlignPolicy::kSeen, source.roles, target.roles);
+  ASSERT_EQ(rows, (std::vector<int64_t>{0, 3, 6, 9, 12}));
+
+  FitOptions options;
+  options.selection = FitOptions::Selection::kAll;
+  options.alignment_policy = "seen";
+  AdapterFitter fitter(s, t, options);
+  for (int i = 0; i < 8; ++i) {
+    FloatKV a(s, 13), b(t, 5);
+    a.randomize(40 + i);
+    b.randomize(80 + i);
+    fitter.add(a.view(), b.view(), 0, rows);
+  }
+  auto adapter = std::make_shared<const LinearAdapter>(fitter.fit());
+
+  StoreOptions o = store_options();
+  o.chunk_tokens = 1;
+  KVStore store(o);
+  BridgeOptions bo;
+  bo.min_quality = -std::numeric_limits<double>::infinity();
+  Bridge bridge(store, bo);
+  // Without an alignment policy the pair is refused; with one it is accepted.
+  EXPECT_THROW(bridge.add_adapter(fit_planted(s, t, 4)), InvalidArgument);
+  bridge.add_adapter(adapter);
+  FloatKV src(s, 13, 2);
+  src.randomize(5);
+  EXPECT_EQ(bridge.save(s, source.ids, src.view()), 13);
+
+  std::vector<int64_t> prompt = target.ids;
+  prompt.push_back(9);  // past the verified text
+  int calls = 0;
+  const TokenizeText tokenize = [&](const std::string& id, Tokenization& out) {
+    ++calls;
+    EXPECT_EQ(id, "tok-a");
+    out = source;
+    return true;
+  };
+  // The plain load never uses an adapter across tokenizers.
+  EXPECT_FALSE(bridge.load(t, prompt));
+  const Load hit = bridge.load(t, prompt, target, tokenize);
+  EXPECT_EQ(calls, 1);
+  ASSERT_TRUE(hit);
+  EXPECT_TRUE(hit.converted());
+  EXPECT_EQ(hit.tokens(), 5);
+  std::vector<float> want(static_cast<size_t>(2 * 5 * 12));
+  adapter->convert(src.view(), 0,
+                   KVView::contiguous(want.data(), DType::kFloat32, {}, 1, 5, 2, 6), rows, 0);
+  // The same float32 convert of the same stored bytes: identical results.
+  EXPECT_EQ(load_kv(hit, t), want);
+  BridgeStats st = bridge.stats();
+  EXPECT_EQ(st.aligned_hits, 1);
+  EXPECT_EQ(st.cross_tokenizer_loads, 1);
+  EXPECT_EQ(st.unverified_tokens, 1);
+  EXPECT_EQ(st.written_back_tokens, 5);
+
+  // Only the source's first 7 tokens cached (BOS and 6 bytes): the target prefix whose text lies
+  // inside them is BOS and the first two 3-byte tokens.
+  KVStore store2(o);
+  Bridge bridge2(store2, bo);
+  bridge2.add_adapter(adapter);
+  std::vector<int64_t> first7(source.ids.begin(), source.ids.begin() + 7);
+  bridge2.save(s, first7, src.view().slice_tokens(0, 7));
+  const Load part = bridge2.load(t, prompt, target, tokenize);
+  EXPECT_EQ(part.tokens(), 3);
+  // (A 3-token GEMM against the 5-token one: equal up to float32 rounding.)
+  EXPECT_LT(max_rel_diff(load_kv(part, t), token_range(want, t, 5, 0, 3)), 1e-6);
+  // A caller without the source's tokenizer: a miss.
+  KVStore store3(o);
+  Bridge bridge3(store3, bo);
+  bridge3.add_adapter(adapter);
+  bridge3.save(s, source.ids, src.view());
+  EXPECT_FALSE(bridge3.load(t, prompt, target, [](const std::string&, Tokenization&) {
+    return false;
+  }));
+  // A target tokenization that is not a prefix of the prompt, or malformed, is refused.
+  Tokenization wrong = target;
+  wrong.ids[2] = 555;
+  EXPECT_THROW(bridge3.load(t, prompt, wrong, tokenize), InvalidArgument);
+  wrong = target;
+  wrong.spans.pop_back();
+  EXPECT_THROW(bridge3.load(t, prompt, wrong, tokenize), InvalidArgument);
+}
+
 TEST_F(BridgeTest, LastTokenIsNeverReturned) {
   KVStore store(store_options());
   Bridge bridge(store);
@@ -493,6 +601,8 @@ TEST_F(BridgeTest, PrometheusTextNamesEveryCounter) {
         "kvbridge_bridge_written_back_tokens_total 32\n",
         "kvbridge_bridge_adapters_skipped_quality_total 0\n",
         "kvbridge_bridge_adapters_skipped_stale_total 0\n", "kvbridge_bridge_adapters 1\n",
+        "kvbridge_bridge_cross_tokenizer_loads_total 0\n",
+        "kvbridge_bridge_unverified_tokens_total 0\n", "kvbridge_bridge_aligned_hits_total 0\n",
         "kvbridge_bridge_adapters_below_quality 0\n",
         "# TYPE kvbridge_bridge_convert_seconds_total counter\n",
         "# TYPE kvbridge_bridge_adapters gauge\n"}) {

@@ -27,25 +27,36 @@ SRC = kvbridge.ModelSpec("src", 2, 2, 8, rope_base=10000.0, rope_style="half")
 TGT = kvbridge.ModelSpec("tgt", 3, 3, 4, rope_base=50000.0, rope_style="interleaved")
 
 
-def planted_sample(weights, tokens, start_pos, seed):
+def planted_sample(weights, tokens, start_pos, seed, index=None):
+    """Source KV of `tokens` tokens and the target KV of the planted map, token j from source
+    token j, or with `index` (an alignment) from source token index[j] (-1: any token; a fit
+    must skip those), len(index) target tokens then."""
     g = torch.Generator().manual_seed(seed)
     free = [(torch.randn(1, 2, tokens, 8, generator=g, dtype=torch.float64),
              torch.randn(1, 2, tokens, 8, generator=g, dtype=torch.float64)) for _ in range(2)]
     x = torch.cat([t.transpose(1, 2).reshape(tokens, 16) for pair in free for t in pair], dim=1)
+    if index is not None:
+        x = x[torch.as_tensor(index).clamp(min=0)]
+    n = x.shape[0]
     target = []
     for w_k, b_k, w_v, b_v in weights:
-        k = (x @ w_k + b_k).reshape(1, tokens, 3, 4).transpose(1, 2)
-        v = (x @ w_v + b_v).reshape(1, tokens, 3, 4).transpose(1, 2)
+        k = (x @ w_k + b_k).reshape(1, n, 3, 4).transpose(1, 2)
+        v = (x @ w_v + b_v).reshape(1, n, 3, 4).transpose(1, 2)
         target.append((rope(k, 50000.0, start_pos, "interleaved").float(), v.float()))
     source = [(rope(k, 10000.0, start_pos, "half").float(), v.float()) for k, v in free]
     return tuple(source), tuple(target)
 
 
-@pytest.fixture(scope="module")
-def weights():
-    g = torch.Generator().manual_seed(7)
+def planted_weights(seed):
+    """Seeded planted-map weights for SRC -> TGT: per target layer (w_k, b_k, w_v, b_v)."""
+    g = torch.Generator().manual_seed(seed)
     return [tuple(torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
                   for shape in ((64, 12), (12,), (64, 12), (12,))) for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return planted_weights(7)
 
 
 @pytest.mark.parametrize("source_layers", ["auto", "all", [[0, 1], [0, 1], [0, 1]]])
@@ -194,7 +205,8 @@ def test_file_is_plain_safetensors(fitted, tmp_path):
         return p
 
     cases = [
-        (lambda m: m.update(format_version="3"), None, "format_version"),
+        (lambda m: m.update(format_version="4"), None, "format_version"),
+        (lambda m: m.update(alignment_policy="seen"), None, "alignment_policy"),
         (lambda m: m.update(source_spec="{not json"), None, "source_spec"),
         (lambda m: m.pop("layer_map"), None, "layer_map"),
         (lambda m: m.update(layer_map="[[0], [0, 1], [7]]"), None, "layer_map"),

@@ -179,4 +179,4 @@ def test_model_spec_reads_rope_scaling():
 
 def test_shipped_models_fit_the_size_budget():
     total = sum(p.stat().st_size for p in testbed.MODELS_DIR.rglob("*") if p.is_file())
-    assert total <= 10 * 1024 * 1024
+    assert total <= 16 * 1024 * 1024  # 10 MiB for testbed-a and -b, 6 MiB for testbed-c

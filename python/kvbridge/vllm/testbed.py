@@ -36,7 +36,7 @@ def testbed_llm(name: str, extra: Optional[Dict[str, Any]] = None, **kwargs: Any
     if name not in testbed.MODEL_NAMES:
         raise ValueError(f"testbed_llm: expected one of {testbed.MODEL_NAMES}, got {name!r}")
     opts: Dict[str, Any] = dict(
-        model=str(testbed.MODELS_DIR / name), tokenizer=str(testbed.TOKENIZER_DIR),
+        model=str(testbed.MODELS_DIR / name), tokenizer=str(testbed.tokenizer_folder(name)),
         skip_tokenizer_init=True, served_model_name=name, dtype="float32",
         block_size=BLOCK_SIZE, max_model_len=testbed.MAX_CONTEXT, enforce_eager=True,
         enable_prefix_caching=True, max_num_seqs=16, seed=0)
