@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,11 @@ from kvbridge import eval as kv_eval
 
 #: The ablation: positions paired index by index, as for two models of one tokenizer.
 NAIVE = "naive"
+
+#: The shipped testbed-a -> testbed-c adapter (the best policy of the recorded run; refit with
+#: ``kvbridge eval --source testbed-a --target testbed-c --save-adapter`` this path).
+DEFAULT_CROSS_ADAPTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed",
+                                     "adapters", "testbed-a_to_testbed-c.safetensors")
 
 
 def policies() -> List[str]:
@@ -453,7 +459,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     return results
 
 
-__all__ = ["CrossConfig", "Encoded", "NAIVE", "Split", "alignment", "best_policy", "encode",
+__all__ = ["CrossConfig", "DEFAULT_CROSS_ADAPTER", "Encoded", "NAIVE", "Split", "alignment", "best_policy", "encode",
            "evaluate_cross",
            "fit_policies", "format_table", "main", "measure_ttft_cross", "policies",
            "score_cross", "split_window", "text_windows", "utf8_prefix"]

@@ -130,3 +130,18 @@ def test_eval_command_hands_cross_pairs_over(monkeypatch, tmp_path):
     assert seen["argv"] == argv
     with pytest.raises(SystemExit, match="unknown model"):
         ev.main(["--target", "testbed-z"])
+
+
+def test_shipped_a_to_c_adapter_fits_the_shipped_weights(a_to_c):
+    # Fails whenever testbed-a or testbed-c change without a refit of the shipped adapter
+    # (the command in kvbridge.eval_cross.DEFAULT_CROSS_ADAPTER's comment).
+    adapter = ev.load_adapter(xe.DEFAULT_CROSS_ADAPTER, a_to_c)
+    assert adapter.report["alignment_policy"] in kvbridge.ALIGN_POLICIES
+    assert adapter.source.tokenizer == a_to_c.source.tokenizer.id
+    assert adapter.target.tokenizer == a_to_c.target.tokenizer.id
+    assert kvbridge.Bridge.quality(adapter) > 0.4
+    # On a few held-out windows it keeps most of the prefix's benefit.
+    texts = xe.text_windows("heldout", 255, 8)
+    name = adapter.report["alignment_policy"]
+    scores = xe.score_cross(a_to_c, texts, 0.25, {name: adapter})
+    assert scores[name]["kept"] > 0.8 and scores[name]["agreement"] > 0.7
