@@ -16,7 +16,8 @@ takes the source features at ``kvbridge.align(...)[j]``; BOS aligns to BOS by ro
 alignment is -1 (under "seen": target tokens that end before the source's first text token
 does, e.g. the first bytes of a byte-level target under a BPE source) the source's BOS serves
 instead: it has seen no text, which is what "seen" asks of a(j); those tokens are counted
-(``unaligned``). The ablation ``naive`` pairs positions index by index (a(j) = j, the last
+(``unaligned``). kvbridge.Bridge does not fill them: it serves only the target prefix before the
+first such token, so for those windows this measures the adapter, not what the Bridge serves. The ablation ``naive`` pairs positions index by index (a(j) = j, the last
 source token once the source runs out), as if the tokenizers were the same.
 
 Fitting. Both models prefill each training window (positions from 0), and the pairs of every
