@@ -29,7 +29,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,6 +75,19 @@ def greedy(model, prompt_rest: Sequence[int], past, steps: int) -> Dict[str, Any
     return {"tokens": out, "ttft": ttft}
 
 
+def answer_both(bridge: kvbridge.Bridge, target: Any, prompt: Sequence[int],
+                generate: int) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
+    """The target's greedy answers to `prompt`: from ``bridge.load`` (its TTFT includes the
+    load) and from its own prefill. Returns (the Load, the bridged answer, the own answer)."""
+    t0 = time.perf_counter()
+    load = bridge.load(target.spec, prompt)
+    load_s = time.perf_counter() - t0
+    conv = greedy(target.model, prompt[load.tokens:], load.kv, generate)
+    conv["ttft"] += load_s
+    own = greedy(target.model, prompt, None, generate)
+    return load, conv, own
+
+
 def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[int]],
         continuation: int, generate: int, chunk_tokens: int = 16,
         min_quality: float = 0.5) -> Dict[str, Any]:
@@ -92,12 +105,7 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
         prompt = w[:p]
         bridge.save(src.spec, prompt, kv_eval.prefix_kv(src.model, prompt))
 
-        t0 = time.perf_counter()
-        load = bridge.load(tgt.spec, prompt)
-        load_s = time.perf_counter() - t0
-        conv = greedy(tgt.model, prompt[load.tokens:], load.kv, generate)
-        conv["ttft"] += load_s
-        own = greedy(tgt.model, prompt, None, generate)
+        load, conv, own = answer_both(bridge, tgt, prompt, generate)
 
         # Teacher-forced continuation scores on the loaded cache (needs all but the last
         # prompt token, which is what a full-chunk load returns).
@@ -175,12 +183,7 @@ def run_cross(pair: Any, adapter: kvbridge.LinearAdapter, texts: Sequence[str], 
         tgt_ids = tgt.tokenizer.encode(prompt)
         if not rows:
             greedy(tgt.model, tgt_ids, None, 2)  # warm-up, untimed
-        t0 = time.perf_counter()
-        load = bridge.load(tgt.spec, tgt_ids)
-        load_s = time.perf_counter() - t0
-        conv = greedy(tgt.model, tgt_ids[load.tokens:], load.kv, generate)
-        conv["ttft"] += load_s
-        own = greedy(tgt.model, tgt_ids, None, generate)
+        load, conv, own = answer_both(bridge, tgt, tgt_ids, generate)
         rows.append({"prompt_bytes": len(prompt.encode("utf-8")), "source_tokens": len(src_ids),
                      "prompt_tokens": len(tgt_ids), "loaded_tokens": int(load.tokens),
                      "converted": bool(load.converted), "ttft_own_ms": 1e3 * own["ttft"],
