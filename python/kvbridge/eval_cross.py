@@ -451,6 +451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         best = best_policy(results, include_naive=False)
         if best is None:
             raise SystemExit("--save-adapter: no alignment policy was fitted (only naive)")
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
         adapters[best].save(args.save_adapter)
         results["saved_adapter"] = {"path": args.save_adapter, "variant": best}
         print(f"saved the {best} adapter to {args.save_adapter}")

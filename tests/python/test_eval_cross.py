@@ -145,3 +145,17 @@ def test_shipped_a_to_c_adapter_fits_the_shipped_weights(a_to_c):
     name = adapter.report["alignment_policy"]
     scores = xe.score_cross(a_to_c, texts, 0.25, {name: adapter})
     assert scores[name]["kept"] > 0.8 and scores[name]["agreement"] > 0.7
+
+
+def test_main_saves_the_best_policy_never_naive(tmp_path, capsys):
+    path = tmp_path / "new" / "a_to_c.safetensors"
+    results = xe.main(["--source", "testbed-a", "--target", "testbed-c", "--out",
+                       str(tmp_path / "out"), "--window-bytes", "120", "--train-windows", "8",
+                       "--heldout-windows", "2", "--ttft-bytes", "32", "--ttft-repeats", "1",
+                       "--policies", "covering", "naive", "--quiet", "--save-adapter", str(path)])
+    saved = kvbridge.LinearAdapter.load(str(path))
+    assert results["saved_adapter"]["variant"] == "covering"
+    assert saved.report["alignment_policy"] == "covering"
+    assert "| covering |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="share a tokenizer"):
+        xe.main(["--source", "testbed-a", "--target", "testbed-b"])
