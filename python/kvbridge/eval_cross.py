@@ -16,15 +16,16 @@ takes the source features at ``kvbridge.align(...)[j]``; BOS aligns to BOS by ro
 alignment is -1 (under "seen": target tokens that end before the source's first text token
 does, e.g. the first bytes of a byte-level target under a BPE source) the source's BOS serves
 instead: it has seen no text, which is what "seen" asks of a(j); those tokens are counted
-(``unaligned``). kvbridge.Bridge does not fill them: it serves only the target prefix before the
-first such token, so for those windows this measures the adapter, not what the Bridge serves. The ablation ``naive`` pairs positions index by index (a(j) = j, the last
-source token once the source runs out), as if the tokenizers were the same.
+(``unaligned``). kvbridge.Bridge does not fill them: it serves only the target prefix before
+the first such token, so for those windows this measures the adapter, not what the Bridge
+serves. The ablation ``naive`` pairs positions index by index (a(j) = j, the last source token
+once the source runs out), as if the tokenizers were the same.
 
 Fitting. Both models prefill each training window (positions from 0), and the pairs of every
 window are streamed into one ``kvbridge.AdapterFitter`` per policy (RoPE-aware,
 ``source_layers="auto"``, ``alignment_policy`` the policy's name, none for the naive
-ablation): target token j with source
-token a(j), keys un-rotated at the source position a(j) and re-rotated at j.
+ablation): target token j with source token a(j), keys un-rotated at the source position a(j)
+and re-rotated at j.
 
 Prefix / continuation split. A held-out window's text is cut at byte ``P = (1 - share) * n``
 (``share`` = ``continuation_share``, default 1/4): the target's continuation is its tokens
