@@ -10,7 +10,13 @@ continuation):
    testbed-b's own entry) plus its own forward of the last prompt token. The time to the first
    token of each is measured, alternating, in this process;
 3. kept and agreement (kvbridge.eval's definitions) are computed on the windows' true
-   continuations, with the loaded (converted) cache in place of testbed-b's own.
+   continuations, with the loaded (converted) cache in place of testbed-b's own;
+4. across tokenizers (``--cross-prompts``, default 4; 0 leaves it out): testbed-c, whose BPE
+   tokenizes text differently, answers held-out prompt texts from testbed-a's caches of them:
+   the Bridge knows both tokenizers (``Bridge.add_tokenizer``), aligns the two tokenizations
+   and converts through the shipped testbed-a -> testbed-c adapter
+   (python/kvbridge/testbed/adapters/testbed-a_to_testbed-c.safetensors, fitted with the
+   "seen" policy if missing or stale); TTFT both ways and the greedy answers side by side.
 
 The shipped adapter is python/kvbridge/testbed/adapters/testbed-a_to_testbed-b.safetensors;
 when it is missing or was fitted for other weights (its specs' fingerprints differ from the
@@ -23,7 +29,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -69,6 +75,19 @@ def greedy(model, prompt_rest: Sequence[int], past, steps: int) -> Dict[str, Any
     return {"tokens": out, "ttft": ttft}
 
 
+def answer_both(bridge: kvbridge.Bridge, target: Any, prompt: Sequence[int],
+                generate: int) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
+    """The target's greedy answers to `prompt`: from ``bridge.load`` (its TTFT includes the
+    load) and from its own prefill. Returns (the Load, the bridged answer, the own answer)."""
+    t0 = time.perf_counter()
+    load = bridge.load(target.spec, prompt)
+    load_s = time.perf_counter() - t0
+    conv = greedy(target.model, prompt[load.tokens:], load.kv, generate)
+    conv["ttft"] += load_s
+    own = greedy(target.model, prompt, None, generate)
+    return load, conv, own
+
+
 def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[int]],
         continuation: int, generate: int, chunk_tokens: int = 16,
         min_quality: float = 0.5,
@@ -88,12 +107,7 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
         prompt = w[:p]
         bridge.save(src.spec, prompt, kv_eval.prefix_kv(src.model, prompt))
 
-        t0 = time.perf_counter()
-        load = bridge.load(tgt.spec, prompt)
-        load_s = time.perf_counter() - t0
-        conv = greedy(tgt.model, prompt[load.tokens:], load.kv, generate)
-        conv["ttft"] += load_s
-        own = greedy(tgt.model, prompt, None, generate)
+        load, conv, own = answer_both(bridge, tgt, prompt, generate)
 
         # Teacher-forced continuation scores on the loaded cache (needs all but the last
         # prompt token, or the recompute_tail before it, which is what a full-chunk load returns).
@@ -129,6 +143,97 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
         "adapter_quality": kvbridge.Bridge.quality(adapter),
         "bridge_stats": bridge.stats(),
     }
+
+
+def get_cross_adapter(pair: Any, path: str, fit_windows: int, log=print) -> Dict[str, Any]:
+    """The cross-tokenizer adapter at `path` if it matches the loaded models, else one fitted
+    with the "seen" policy on `fit_windows` training windows (kvbridge.eval_cross)."""
+    from kvbridge import eval_cross
+
+    if os.path.exists(path):
+        try:
+            return {"adapter": kv_eval.load_adapter(path, pair), "origin": "shipped", "path": path}
+        except kv_eval.StaleAdapterError as e:
+            reason = f"stale adapter: {e}"
+    else:
+        reason = f"no adapter at {path}"
+    log(f"{reason}; fitting one on {fit_windows} training windows")
+    t0 = time.perf_counter()
+    window = int(kv_eval.testbed_module().MAX_CONTEXT) - 1
+    train = eval_cross.text_windows("train", window, fit_windows)
+    adapter = eval_cross.fit_policies(pair, train, ["seen"])[0]["seen"]
+    return {"adapter": adapter, "origin": "fitted", "path": None,
+            "fit_seconds": time.perf_counter() - t0, "reason": reason}
+
+
+def run_cross(pair: Any, adapter: kvbridge.LinearAdapter, texts: Sequence[str], share: float,
+              generate: int, chunk_tokens: int = 16, min_quality: float = 0.0) -> Dict[str, Any]:
+    """The cross-tokenizer row: for each prompt text (a held-out window without its last
+    `share` of bytes) the source tokenizes, prefills and saves it; the target, whose tokenizer
+    differs, tokenizes the same text, loads it through the Bridge (the source's cache aligned
+    and converted) and answers greedily, and again after its own prefill."""
+    from kvbridge import eval_cross
+
+    src, tgt = pair.source, pair.target
+    bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 30, chunk_tokens=chunk_tokens),
+                             min_quality=min_quality)
+    bridge.add_tokenizer(src.spec, src.tokenizer)
+    bridge.add_tokenizer(tgt.spec, tgt.tokenizer)
+    bridge.add_adapter(adapter)
+    rows: List[Dict[str, Any]] = []
+    for text in texts:
+        prompt = eval_cross.utf8_prefix(text, int((1.0 - share) * len(text.encode("utf-8"))))
+        src_ids = src.tokenizer.encode(prompt)
+        bridge.save(src.spec, src_ids, kv_eval.prefix_kv(src.model, src_ids))
+        tgt_ids = tgt.tokenizer.encode(prompt)
+        if not rows:
+            greedy(tgt.model, tgt_ids, None, 2)  # warm-up, untimed
+        load, conv, own = answer_both(bridge, tgt, tgt_ids, generate)
+        rows.append({"prompt_bytes": len(prompt.encode("utf-8")), "source_tokens": len(src_ids),
+                     "prompt_tokens": len(tgt_ids), "loaded_tokens": int(load.tokens),
+                     "converted": bool(load.converted), "ttft_own_ms": 1e3 * own["ttft"],
+                     "ttft_bridge_ms": 1e3 * conv["ttft"], "own_tokens": own["tokens"],
+                     "bridge_tokens": conv["tokens"], "prompt_tail": prompt[-60:],
+                     "own_text": tgt.tokenizer.decode(own["tokens"]),
+                     "bridge_text": tgt.tokenizer.decode(conv["tokens"])})
+    t_own = statistics.median(r["ttft_own_ms"] for r in rows)
+    t_bridge = statistics.median(r["ttft_bridge_ms"] for r in rows)
+    return {"prompts": len(rows), "rows": rows, "ttft_own_ms": t_own,
+            "ttft_bridge_ms": t_bridge, "ttft_ratio": t_own / t_bridge,
+            "same_first_token": sum(r["own_tokens"][:1] == r["bridge_tokens"][:1] for r in rows),
+            "same_generation": sum(r["own_tokens"] == r["bridge_tokens"] for r in rows),
+            "adapter_quality": kvbridge.Bridge.quality(adapter),
+            "alignment_policy": adapter.report.get("alignment_policy", ""),
+            "bridge_stats": bridge.stats()}
+
+
+def format_cross(report: Dict[str, Any], pair: Any, shown: int = 2) -> str:
+    r0 = report["rows"]
+    lines = [f"Across tokenizers: {pair.target.name} answers from {pair.source.name}'s cache "
+             f"({report['prompts']} held-out prompts, {report['alignment_policy']} alignment, "
+             f"adapter quality {report['adapter_quality']:.3f})", ""]
+    lines.append(f"| prompt | bytes | {pair.source.name} tokens | {pair.target.name} tokens | "
+                 "loaded | converted | TTFT own ms | TTFT kvbridge ms | ratio |")
+    lines.append("|---:|---:|---:|---:|---:|:---:|---:|---:|---:|")
+    for i, r in enumerate(r0):
+        lines.append(f"| {i} | {r['prompt_bytes']} | {r['source_tokens']} | {r['prompt_tokens']} "
+                     f"| {r['loaded_tokens']} | {'yes' if r['converted'] else 'no'} | "
+                     f"{r['ttft_own_ms']:.2f} | {r['ttft_bridge_ms']:.2f} | "
+                     f"{r['ttft_own_ms'] / r['ttft_bridge_ms']:.2f}x |")
+    lines.append(f"| median | | | | | | {report['ttft_own_ms']:.2f} | "
+                 f"{report['ttft_bridge_ms']:.2f} | {report['ttft_ratio']:.2f}x |")
+    lines.append("")
+    lines.append(f"same first token: {report['same_first_token']} of {report['prompts']}; "
+                 f"identical greedy continuations: {report['same_generation']} of "
+                 f"{report['prompts']}")
+    lines.append("")
+    lines.append(f"| prompt ends with | {pair.target.name}, own prefill | "
+                 f"{pair.target.name}, from {pair.source.name}'s cache |")
+    lines.append("|---|---|---|")
+    for r in r0[:shown]:
+        lines.append(f"| {_cell(r['prompt_tail'], 40, keep_end=True)} | {_cell(r['own_text'], 40)} | "
+                     f"{_cell(r['bridge_text'], 40)} |")
+    return "\n".join(lines)
 
 
 def _cell(text: str, width: int, keep_end: bool = False) -> str:
@@ -193,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-quality", type=float, default=0.5, help="Bridge quality gate")
     p.add_argument("--chunk-tokens", type=at_least(1), default=16)
     p.add_argument("--show", type=at_least(0), default=3, help="continuations printed side by side")
+    p.add_argument("--cross-prompts", type=at_least(0), default=4,
+                   help="prompts of the cross-tokenizer row (testbed-c from testbed-a's cache); "
+                   "0 leaves the row out")
+    p.add_argument("--cross-adapter", default=None,
+                   help="the testbed-a -> testbed-c adapter (default: the shipped one)")
     p.add_argument("--threads", type=at_least(0), default=1,
                    help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default "
                    "(see kvbridge.eval.set_threads)")
@@ -225,6 +335,22 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     report["adapter"] = {k: v for k, v in got.items() if k != "adapter"}
     report["threads"] = torch.get_num_threads()
     print(format_report(report, pair, args.show))
+    if args.cross_prompts:
+        from kvbridge import eval_cross
+
+        cross_pair = testbed.load_pair(testbed.SOURCE_NAME, testbed.BPE_MODEL_NAME)
+        cross_got = get_cross_adapter(cross_pair, args.cross_adapter
+                                      or eval_cross.DEFAULT_CROSS_ADAPTER, args.fit_windows,
+                                      log=lambda m: print(m, file=sys.stderr))
+        texts = eval_cross.text_windows("heldout", int(testbed.MAX_CONTEXT) - 1,
+                                        args.cross_prompts)
+        with torch.no_grad():
+            report["cross"] = run_cross(cross_pair, cross_got["adapter"], texts, 0.25,
+                                        args.generate, chunk_tokens=args.chunk_tokens,
+                                        min_quality=args.min_quality)
+        report["cross"]["adapter"] = {k: v for k, v in cross_got.items() if k != "adapter"}
+        print()
+        print(format_cross(report["cross"], cross_pair, args.show))
     report["seconds"] = time.perf_counter() - t_start
     print(f"\n(adapter: {report['adapter']['origin']}; {report['seconds']:.1f} s)")
     return report

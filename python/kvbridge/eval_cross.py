@@ -16,14 +16,16 @@ takes the source features at ``kvbridge.align(...)[j]``; BOS aligns to BOS by ro
 alignment is -1 (under "seen": target tokens that end before the source's first text token
 does, e.g. the first bytes of a byte-level target under a BPE source) the source's BOS serves
 instead: it has seen no text, which is what "seen" asks of a(j); those tokens are counted
-(``unaligned``). The ablation ``naive`` pairs positions index by index (a(j) = j, the last
-source token once the source runs out), as if the tokenizers were the same.
+(``unaligned``). kvbridge.Bridge does not fill them: it serves only the target prefix before
+the first such token, so for those windows this measures the adapter, not what the Bridge
+serves. The ablation ``naive`` pairs positions index by index (a(j) = j, the last source token
+once the source runs out), as if the tokenizers were the same.
 
 Fitting. Both models prefill each training window (positions from 0), and the pairs of every
 window are streamed into one ``kvbridge.AdapterFitter`` per policy (RoPE-aware,
 ``source_layers="auto"``, ``alignment_policy`` the policy's name, none for the naive
-ablation): target token j with source
-token a(j), keys un-rotated at the source position a(j) and re-rotated at j.
+ablation): target token j with source token a(j), keys un-rotated at the source position a(j)
+and re-rotated at j.
 
 Prefix / continuation split. A held-out window's text is cut at byte ``P = (1 - share) * n``
 (``share`` = ``continuation_share``, default 1/4): the target's continuation is its tokens
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,6 +64,11 @@ from kvbridge import eval as kv_eval
 
 #: The ablation: positions paired index by index, as for two models of one tokenizer.
 NAIVE = "naive"
+
+#: The shipped testbed-a -> testbed-c adapter (the best policy of the recorded run; refit with
+#: ``kvbridge eval --source testbed-a --target testbed-c --save-adapter`` this path).
+DEFAULT_CROSS_ADAPTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed",
+                                     "adapters", "testbed-a_to_testbed-c.safetensors")
 
 
 def policies() -> List[str]:
@@ -444,6 +452,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         best = best_policy(results, include_naive=False)
         if best is None:
             raise SystemExit("--save-adapter: no alignment policy was fitted (only naive)")
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
         adapters[best].save(args.save_adapter)
         results["saved_adapter"] = {"path": args.save_adapter, "variant": best}
         print(f"saved the {best} adapter to {args.save_adapter}")
@@ -453,7 +462,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     return results
 
 
-__all__ = ["CrossConfig", "Encoded", "NAIVE", "Split", "alignment", "best_policy", "encode",
+__all__ = ["CrossConfig", "DEFAULT_CROSS_ADAPTER", "Encoded", "NAIVE", "Split", "alignment", "best_policy", "encode",
            "evaluate_cross",
            "fit_policies", "format_table", "main", "measure_ttft_cross", "policies",
            "score_cross", "split_window", "text_windows", "utf8_prefix"]

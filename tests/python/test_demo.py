@@ -9,7 +9,8 @@ from kvbridge import eval as ev
 import tiny_testbed
 
 ARGS = ["--prompts", "3", "--window-tokens", "40", "--continuation-tokens", "8",
-        "--generate", "5", "--chunk-tokens", "8", "--fit-windows", "8", "--min-quality=-inf"]
+        "--generate", "5", "--chunk-tokens", "8", "--fit-windows", "8", "--min-quality=-inf",
+        "--cross-prompts", "0"]
 
 
 def test_demo_main_report(tmp_path, monkeypatch, capsys):
@@ -83,3 +84,39 @@ def test_shipped_adapter_fits_the_shipped_weights():
     adapter = ev.load_adapter(ev.DEFAULT_ADAPTER, pair)
     assert adapter.source.name == "testbed-a" and adapter.target.name == "testbed-b"
     assert kvbridge.Bridge.quality(adapter) > 0.5
+
+
+def test_cross_tokenizer_row_serves_the_aligned_conversion():
+    testbed = pytest.importorskip("kvbridge.testbed")
+    from kvbridge import eval_cross as xe
+
+    pair = testbed.load_pair("testbed-a", "testbed-c")
+    adapter = demo.get_cross_adapter(pair, xe.DEFAULT_CROSS_ADAPTER, 4)["adapter"]
+    texts = xe.text_windows("heldout", 255, 2)
+    report = demo.run_cross(pair, adapter, texts, 0.25, generate=3)
+    assert report["prompts"] == 2 and report["bridge_stats"]["converted_hits"] == 2
+    for text, r in zip(texts, report["rows"]):
+        assert r["converted"] and r["loaded_tokens"] == r["prompt_tokens"] - 1
+        assert len(r["own_tokens"]) == len(r["bridge_tokens"]) == 3
+        # What the Bridge served is the adapter's conversion through the "seen" alignment of
+        # the prompt's two tokenizations (nothing misaligned, nothing lost).
+        prompt = xe.utf8_prefix(text, int(0.75 * len(text.encode("utf-8"))))
+        assert r["prompt_bytes"] == len(prompt.encode("utf-8"))
+        src = xe.encode(pair.source.tokenizer, prompt)
+        tgt = xe.encode(pair.target.tokenizer, prompt)
+        m = len(tgt.ids) - 1
+        index, missing = xe.alignment(adapter.report["alignment_policy"], src,
+                                      xe.Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m]))
+        assert missing == 0
+        want = adapter.convert(ev.prefix_kv(pair.source.model, src.ids), alignment=index)
+        bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 26, chunk_tokens=16), min_quality=0.0)
+        bridge.add_tokenizer(pair.source.spec, pair.source.tokenizer)
+        bridge.add_tokenizer(pair.target.spec, pair.target.tokenizer)
+        bridge.add_adapter(adapter)
+        bridge.save(pair.source.spec, src.ids, ev.prefix_kv(pair.source.model, src.ids))
+        load = bridge.load(pair.target.spec, tgt.ids)
+        assert load.tokens == m
+        for (k, v), (wk, wv) in zip(load.kv, want):
+            torch.testing.assert_close(k, wk, rtol=0, atol=1e-5)
+            torch.testing.assert_close(v, wv, rtol=0, atol=1e-5)
+    assert "Across tokenizers" in demo.format_cross(report, pair)

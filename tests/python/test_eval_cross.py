@@ -130,3 +130,32 @@ def test_eval_command_hands_cross_pairs_over(monkeypatch, tmp_path):
     assert seen["argv"] == argv
     with pytest.raises(SystemExit, match="unknown model"):
         ev.main(["--target", "testbed-z"])
+
+
+def test_shipped_a_to_c_adapter_fits_the_shipped_weights(a_to_c):
+    # Fails whenever testbed-a or testbed-c change without a refit of the shipped adapter
+    # (the command in kvbridge.eval_cross.DEFAULT_CROSS_ADAPTER's comment).
+    adapter = ev.load_adapter(xe.DEFAULT_CROSS_ADAPTER, a_to_c)
+    assert adapter.report["alignment_policy"] in kvbridge.ALIGN_POLICIES
+    assert adapter.source.tokenizer == a_to_c.source.tokenizer.id
+    assert adapter.target.tokenizer == a_to_c.target.tokenizer.id
+    assert kvbridge.Bridge.quality(adapter) > 0.4
+    # On a few held-out windows it keeps most of the prefix's benefit.
+    texts = xe.text_windows("heldout", 255, 8)
+    name = adapter.report["alignment_policy"]
+    scores = xe.score_cross(a_to_c, texts, 0.25, {name: adapter})
+    assert scores[name]["kept"] > 0.8 and scores[name]["agreement"] > 0.7
+
+
+def test_main_saves_the_best_policy_never_naive(tmp_path, capsys):
+    path = tmp_path / "new" / "a_to_c.safetensors"
+    results = xe.main(["--source", "testbed-a", "--target", "testbed-c", "--out",
+                       str(tmp_path / "out"), "--window-bytes", "120", "--train-windows", "8",
+                       "--heldout-windows", "2", "--ttft-bytes", "32", "--ttft-repeats", "1",
+                       "--policies", "covering", "naive", "--quiet", "--save-adapter", str(path)])
+    saved = kvbridge.LinearAdapter.load(str(path))
+    assert results["saved_adapter"]["variant"] == "covering"
+    assert saved.report["alignment_policy"] == "covering"
+    assert "| covering |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="share a tokenizer"):
+        xe.main(["--source", "testbed-a", "--target", "testbed-b"])
