@@ -50,69 +50,36 @@ TensorView make_view(uintptr_t data, const std::string& dtype, std::vector<int64
   return v;
 }
 
-py::dict tier_dict(const TierStats& t) {
+// Stats dicts: one key per row of the field tables in kv_store.h.
+#define KVBRIDGE_DICT_ITEM_(type, member, metric, kind, help) d[#member] = from.member;
+
+py::dict tier_dict(const TierStats& from) {
   py::dict d;
-  d["enabled"] = t.enabled;
-  d["capacity_bytes"] = t.capacity_bytes;
-  d["bytes_used"] = t.bytes_used;
-  d["entries"] = t.entries;
-  d["hit_chunks"] = t.hit_chunks;
-  d["misses"] = t.misses;
-  d["writes"] = t.writes;
-  d["write_failures"] = t.write_failures;
-  d["evictions"] = t.evictions;
-  d["expired"] = t.expired;
-  d["corrupt"] = t.corrupt;
-  d["errors"] = t.errors;
-  d["bytes_read"] = t.bytes_read;
-  d["bytes_written"] = t.bytes_written;
+  KVBRIDGE_TIER_GAUGES(KVBRIDGE_DICT_ITEM_)
+  KVBRIDGE_TIER_COUNTERS(KVBRIDGE_DICT_ITEM_)
   return d;
 }
 
-py::dict remote_dict(const RemoteStats& r) {
+py::dict remote_dict(const RemoteStats& from) {
   py::dict d;
-  d["round_trips"] = r.round_trips;
-  d["skipped"] = r.skipped;
-  d["reconnects"] = r.reconnects;
-  d["filter_negatives"] = r.filter_negatives;
-  d["filter_passes"] = r.filter_passes;
-  d["filter_false_positives"] = r.filter_false_positives;
-  d["filter_refreshes"] = r.filter_refreshes;
-  d["filter_rebuilds"] = r.filter_rebuilds;
-  d["filter_active"] = r.filter_active;
-  d["latency_seconds_sum"] = r.latency_seconds_sum;
+  KVBRIDGE_REMOTE_COUNTERS(KVBRIDGE_DICT_ITEM_)
+  KVBRIDGE_REMOTE_GAUGES(KVBRIDGE_DICT_ITEM_)
   py::list bounds, buckets;
   for (double b : RemoteStats::kLatencyBounds) bounds.append(b);
-  for (int64_t b : r.latency_buckets) buckets.append(b);
+  for (int64_t b : from.latency_buckets) buckets.append(b);
   d["latency_bounds_seconds"] = bounds;
   d["latency_buckets"] = buckets;
   return d;
 }
 
-py::dict stats_dict(const StoreStats& s) {
+py::dict stats_dict(const StoreStats& from) {
   py::dict d;
-  d["capacity_bytes"] = s.capacity_bytes;
-  d["bytes_used"] = s.bytes_used;
-  d["recycled_bytes"] = s.recycled_bytes;
-  d["peak_bytes"] = s.peak_bytes;
-  d["entries"] = s.entries;
-  d["puts"] = s.puts;
-  d["chunks_inserted"] = s.chunks_inserted;
-  d["chunks_present"] = s.chunks_present;
-  d["chunks_rejected"] = s.chunks_rejected;
-  d["matches"] = s.matches;
-  d["hits"] = s.hits;
-  d["misses"] = s.misses;
-  d["hit_chunks"] = s.hit_chunks;
-  d["collisions"] = s.collisions;
-  d["evictions"] = s.evictions;
-  d["erased"] = s.erased;
-  d["promotions"] = s.promotions;
-  d["promotions_rejected"] = s.promotions_rejected;
-  d["memory"] = tier_dict(s.memory);
-  d["disk"] = tier_dict(s.disk);
-  d["redis"] = tier_dict(s.redis);
-  d["remote"] = remote_dict(s.remote);
+  KVBRIDGE_STORE_GAUGES(KVBRIDGE_DICT_ITEM_)
+  KVBRIDGE_STORE_COUNTERS(KVBRIDGE_DICT_ITEM_)
+  d["memory"] = tier_dict(from.memory);
+  d["disk"] = tier_dict(from.disk);
+  d["redis"] = tier_dict(from.redis);
+  d["remote"] = remote_dict(from.remote);
   return d;
 }
 

@@ -13,6 +13,7 @@
 #include "kvbridge/error.h"
 #include "src/adapter/adapter_impl.h"
 #include "src/adapter/numeric.h"
+#include "src/core/byte_order.h"
 #include "src/core/xxh3.h"
 #include "src/io/safetensors.h"
 
@@ -109,7 +110,7 @@ Hash128 content_checksum(const std::map<std::string, std::string>& meta,
   detail::Xxh3Stream h;
   auto u64 = [&](uint64_t v) {
     unsigned char b[8];
-    for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
+    detail::store_le64(b, v);
     h.update(b, 8);
   };
   auto bytes = [&](const void* data, size_t n) {

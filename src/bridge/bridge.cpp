@@ -10,6 +10,7 @@
 #include <new>
 
 #include "kvbridge/error.h"
+#include "src/core/prometheus.h"
 
 namespace kvbridge {
 
@@ -313,47 +314,13 @@ BridgeStats Bridge::stats() const {
 }
 
 std::string Bridge::prometheus_text() const {
-  const BridgeStats s = stats();
-  std::string out;
-  auto family = [&out](const char* name, const char* type, const char* help, double value) {
-    char number[64];
-    std::snprintf(number, sizeof number, "%.17g", value);
-    out += std::string("# HELP kvbridge_bridge_") + name + " " + help + "\n";
-    out += std::string("# TYPE kvbridge_bridge_") + name + " " + type + "\n";
-    out += std::string("kvbridge_bridge_") + name + " " + number + "\n";
-  };
-  auto counter = [&](const char* name, const char* help, double v) {
-    family(name, "counter", help, v);
-  };
-  auto d = [](int64_t v) { return static_cast<double>(v); };
-  counter("saves_total", "Bridge save calls.", d(s.saves));
-  counter("loads_total", "Bridge load calls.", d(s.loads));
-  counter("native_hits_total", "Loads served from the target model's own cache only.",
-          d(s.native_hits));
-  counter("converted_hits_total", "Loads that used a prefix converted from another model.",
-          d(s.converted_hits));
-  counter("misses_total", "Loads that returned nothing.", d(s.misses));
-  counter("conversions_total", "Adapter conversions run.", d(s.conversions));
-  counter("native_tokens_total", "Tokens returned from the target model's own cache.",
-          d(s.native_tokens));
-  counter("converted_tokens_total", "Tokens converted through adapters.", d(s.converted_tokens));
-  counter("written_back_tokens_total",
-          "Tokens past the native prefix cached by writing converted prefixes back.",
-          d(s.written_back_tokens));
-  counter("adapters_skipped_quality_total",
-          "Adapters to a load's target passed over for quality under min_quality.",
-          d(s.adapters_skipped_quality));
-  counter("adapters_skipped_stale_total",
-          "Adapters whose target has a load's model name but another fingerprint.",
-          d(s.adapters_skipped_stale));
-  counter("lookup_seconds_total", "Seconds spent in store lookups and copies out of the store.",
-          s.lookup_seconds);
-  counter("convert_seconds_total", "Seconds spent converting through adapters.",
-          s.convert_seconds);
-  family("adapters", "gauge", "Adapters registered.", d(s.adapters));
-  family("adapters_below_quality", "gauge", "Registered adapters under min_quality (never used).",
-         d(s.adapters_below_quality));
-  return out;
+  const BridgeStats from = stats();
+  detail::PrometheusText out("kvbridge_bridge_");
+#define KVBRIDGE_ROW_(type, member, metric, kind, help) \
+  detail::emit_row(out, metric, #kind, help, static_cast<double>(from.member));
+  KVBRIDGE_BRIDGE_STATS(KVBRIDGE_ROW_)
+#undef KVBRIDGE_ROW_
+  return out.text();
 }
 
 }  // namespace kvbridge

@@ -4,7 +4,7 @@
 #include <cstdio>
 
 #include "kvbridge/error.h"
-#include "kvbridge/prefix_hash.h"
+#include "src/core/byte_order.h"
 #include "src/core/xxh3.h"
 
 namespace kvbridge {
@@ -19,7 +19,9 @@ std::string format_double(double v) {
 // Length-prefixed key/value pairs: nothing a field holds can make two specs encode alike.
 void append_field(std::string& out, const std::string& key, const std::string& value) {
   auto append_u32 = [&out](uint32_t n) {
-    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+    unsigned char le[4];
+    detail::store_le32(le, n);
+    out.append(reinterpret_cast<const char*>(le), 4);
   };
   append_u32(static_cast<uint32_t>(key.size()));
   out += key;

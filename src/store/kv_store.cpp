@@ -9,11 +9,13 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <sstream>
+#include <cstdio>
 #include <utility>
 
 #include "kvbridge/error.h"
+#include "src/core/byte_order.h"
 #include "src/core/path_check.h"
+#include "src/core/prometheus.h"
 #include "src/core/xxh3.h"
 #include "src/index/chunk_table.h"
 #include "src/index/token_ids.h"
@@ -286,10 +288,7 @@ Hash128 store_salt(std::string_view ns, const ModelSpec& spec, StorageFormat sto
   const Hash128 salt = prefix_salt(ns, spec);
   if (storage == StorageFormat::kNative) return salt;
   unsigned char bytes[16];
-  for (int i = 0; i < 8; ++i) {
-    bytes[i] = static_cast<unsigned char>(salt.low >> (8 * i));
-    bytes[8 + i] = static_cast<unsigned char>(salt.high >> (8 * i));
-  }
+  detail::store_hash(bytes, salt);
   detail::Xxh3Stream s;
   s.update(bytes, sizeof bytes);
   s.update("kvbridge-storage-int8", 21);
@@ -343,9 +342,8 @@ struct KVStore::Impl {
   std::unique_ptr<DiskTier> disk;
   std::unique_ptr<RedisTier> redis;
 
-  std::atomic<int64_t> entries{0}, puts{0}, chunks_inserted{0}, chunks_present{0},
-      chunks_rejected{0}, matches{0}, hits{0}, misses{0}, hit_chunks{0}, collisions{0},
-      erased{0}, promotions{0}, promotions_rejected{0};
+  std::atomic<int64_t> entries{0};
+  KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STATS_ATOMIC_)
   TierCounters memory_counters, disk_counters, redis_counters;
   detail::RemoteCounters remote_counters;
 
@@ -1036,24 +1034,15 @@ StoreStats KVStore::stats() const {
   const Impl& m = *impl_;
   auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
   StoreStats st;
+#define KVBRIDGE_STORE_LOAD_(type, member, metric, kind, help) st.member = get(m.member);
+  KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STORE_LOAD_)
+#undef KVBRIDGE_STORE_LOAD_
   st.capacity_bytes = m.options.capacity_bytes;
   st.bytes_used = get(m.accountant->used);
   st.recycled_bytes = get(m.accountant->pooled);
   st.peak_bytes = get(m.accountant->peak);
   st.entries = get(m.entries);
-  st.puts = get(m.puts);
-  st.chunks_inserted = get(m.chunks_inserted);
-  st.chunks_present = get(m.chunks_present);
-  st.chunks_rejected = get(m.chunks_rejected);
-  st.matches = get(m.matches);
-  st.hits = get(m.hits);
-  st.misses = get(m.misses);
-  st.hit_chunks = get(m.hit_chunks);
-  st.collisions = get(m.collisions);
   st.evictions = get(m.memory_counters.evictions);
-  st.erased = get(m.erased);
-  st.promotions = get(m.promotions);
-  st.promotions_rejected = get(m.promotions_rejected);
 
   m.memory_counters.fill(&st.memory);
   st.memory.enabled = true;
@@ -1079,110 +1068,50 @@ StoreStats KVStore::stats() const {
 
 std::string KVStore::metrics_text() const {
   const StoreStats st = stats();
-  std::ostringstream out;
-  auto family = [&](const char* name, const char* type, const char* help) {
-    out << "# HELP kvbridge_store_" << name << ' ' << help << '\n'
-        << "# TYPE kvbridge_store_" << name << ' ' << type << '\n';
-  };
-  auto sample = [&](const char* name, const std::string& labels, double v) {
-    out << "kvbridge_store_" << name;
-    if (!labels.empty()) out << '{' << labels << '}';
-    out << ' ' << v << '\n';
-  };
+  detail::PrometheusText out("kvbridge_store_");
+  // Tier fields: one family each, a sample per tier.
   const std::pair<const char*, const TierStats*> tiers[] = {
       {"memory", &st.memory}, {"disk", &st.disk}, {"redis", &st.redis}};
-  struct TierMetric {
-    const char* name;
-    const char* type;
-    const char* help;
-    int64_t TierStats::*field;
-  };
-  const TierMetric per_tier[] = {
-      {"tier_enabled", "gauge", "1 when the tier is configured.", nullptr},
-      {"capacity_bytes", "gauge", "Byte budget of the tier (0: none of its own).",
-       &TierStats::capacity_bytes},
-      {"bytes", "gauge", "Bytes the tier holds (memory: accounted; disk: file blocks).",
-       &TierStats::bytes_used},
-      {"entries", "gauge", "Chunk entries the tier indexes.", &TierStats::entries},
-      {"hits_total", "counter", "Chunks served to match() by the tier.", &TierStats::hit_chunks},
-      {"misses_total", "counter", "Chunk lookups that reached the tier and found nothing.",
-       &TierStats::misses},
-      {"writes_total", "counter", "Entries written to the tier.", &TierStats::writes},
-      {"write_failures_total", "counter", "Writes that failed or were skipped.",
-       &TierStats::write_failures},
-      {"evictions_total", "counter", "Entries evicted to make room.", &TierStats::evictions},
-      {"expired_total", "counter", "Entries found past their TTL.", &TierStats::expired},
-      {"corrupt_total", "counter", "Entries that failed validation.", &TierStats::corrupt},
-      {"errors_total", "counter", "I/O or remote errors.", &TierStats::errors},
-      {"read_bytes_total", "counter", "Entry bytes read from the tier.", &TierStats::bytes_read},
-      {"written_bytes_total", "counter", "Entry bytes written to the tier.",
-       &TierStats::bytes_written},
-  };
-  out.precision(17);
-  for (const TierMetric& tm : per_tier) {
-    family(tm.name, tm.type, tm.help);
-    for (const auto& [tier, ts] : tiers) {
-      const double v = tm.field ? static_cast<double>(ts->*(tm.field)) : (ts->enabled ? 1 : 0);
-      sample(tm.name, std::string("tier=\"") + tier + "\"", v);
-    }
+#define KVBRIDGE_TIER_FAMILY_(type, member, metric, kind, help)                       \
+  out.family(metric, #kind, help);                                                    \
+  for (const auto& [tier, ts] : tiers)                                                \
+    out.sample(metric, std::string("tier=\"") + tier + "\"", static_cast<double>(ts->member));
+  KVBRIDGE_TIER_GAUGES(KVBRIDGE_TIER_FAMILY_)
+  KVBRIDGE_TIER_COUNTERS(KVBRIDGE_TIER_FAMILY_)
+#undef KVBRIDGE_TIER_FAMILY_
+#define KVBRIDGE_ROW_(type, member, metric, kind, help) \
+  detail::emit_row(out, metric, #kind, help, static_cast<double>(from.member));
+  {
+    const StoreStats& from = st;
+    KVBRIDGE_STORE_COUNTERS(KVBRIDGE_ROW_)
+    KVBRIDGE_STORE_GAUGES(KVBRIDGE_ROW_)
   }
-  const std::tuple<const char*, const char*, const char*, int64_t> scalars[] = {
-      {"puts_total", "counter", "put() calls.", st.puts},
-      {"matches_total", "counter", "match() calls.", st.matches},
-      {"match_hits_total", "counter", "match() calls that returned at least one chunk.", st.hits},
-      {"match_misses_total", "counter", "match() calls that returned nothing.", st.misses},
-      {"hit_chunks_total", "counter", "Chunks returned by match(), from any tier.",
-       st.hit_chunks},
-      {"collisions_total", "counter", "Entries rejected by the token, parent or salt check.",
-       st.collisions},
-      {"chunks_rejected_total", "counter", "put() chunks that no tier took.",
-       st.chunks_rejected},
-      {"promotions_total", "counter", "Chunks copied into memory from a lower tier.",
-       st.promotions},
-      {"promotions_rejected_total", "counter", "Lower-tier hits dropped for lack of memory.",
-       st.promotions_rejected},
-      {"peak_bytes", "gauge", "Highest accounted memory bytes reached.", st.peak_bytes},
-      {"recycled_bytes", "gauge", "Freed payload buffers kept for reuse.", st.recycled_bytes},
-      {"remote_round_trips_total", "counter", "Redis commands or pipelines answered.",
-       st.remote.round_trips},
-      {"remote_errors_total", "counter", "Redis errors (failed or timed-out commands).",
-       st.redis.errors},
-      {"remote_skipped_total", "counter", "Redis operations skipped while it was marked down.",
-       st.remote.skipped},
-      {"remote_reconnects_total", "counter", "Reconnects to Redis after a failure.",
-       st.remote.reconnects},
-      {"filter_negatives_total", "counter", "Lookups the filter answered as sure misses.",
-       st.remote.filter_negatives},
-      {"filter_passes_total", "counter", "Lookups the filter let through.",
-       st.remote.filter_passes},
-      {"filter_false_positives_total", "counter", "Lookups let through that found nothing.",
-       st.remote.filter_false_positives},
-      {"filter_refreshes_total", "counter", "Filter copies fetched.", st.remote.filter_refreshes},
-      {"filter_rebuilds_total", "counter", "Filters rebuilt from the keys.",
-       st.remote.filter_rebuilds},
-      {"filter_active", "gauge", "1 while a usable filter copy is in use.",
-       st.remote.filter_active ? 1 : 0},
-  };
-  for (const auto& [name, type, help, v] : scalars) {
-    family(name, type, help);
-    sample(name, "", static_cast<double>(v));
+  {
+    const RemoteStats& from = st.remote;
+    // remote_errors_total (the Redis tier's errors_total under its older name, kept for
+    // existing dashboards) follows remote_round_trips_total, as it always has.
+#define KVBRIDGE_REMOTE_ROW_(type, member, metric, kind, help)                               \
+  KVBRIDGE_ROW_(type, member, metric, kind, help)                                            \
+  if (std::string_view(#member) == "round_trips")                                            \
+    out.single("remote_errors_total", "counter", "Redis errors (failed or timed-out commands).", \
+               static_cast<double>(st.redis.errors));
+    KVBRIDGE_REMOTE_COUNTERS(KVBRIDGE_REMOTE_ROW_)
+#undef KVBRIDGE_REMOTE_ROW_
+    KVBRIDGE_REMOTE_GAUGES(KVBRIDGE_ROW_)
   }
-  family("remote_latency_seconds", "histogram", "Latency of answered Redis round trips.");
+#undef KVBRIDGE_ROW_
+  out.family("remote_latency_seconds", "histogram", "Latency of answered Redis round trips.");
   for (int i = 0; i < RemoteStats::kLatencyBuckets; ++i) {
-    std::ostringstream le;
-    le.precision(6);
-    if (i + 1 < RemoteStats::kLatencyBuckets) {
-      le << RemoteStats::kLatencyBounds[static_cast<size_t>(i)];
-    } else {
-      le << "+Inf";
-    }
-    sample("remote_latency_seconds_bucket", "le=\"" + le.str() + "\"",
-           static_cast<double>(st.remote.latency_buckets[static_cast<size_t>(i)]));
+    char le[32] = "+Inf";
+    if (i + 1 < RemoteStats::kLatencyBuckets)
+      std::snprintf(le, sizeof le, "%g", RemoteStats::kLatencyBounds[static_cast<size_t>(i)]);
+    out.sample("remote_latency_seconds_bucket", std::string("le=\"") + le + "\"",
+               static_cast<double>(st.remote.latency_buckets[static_cast<size_t>(i)]));
   }
-  sample("remote_latency_seconds_sum", "", st.remote.latency_seconds_sum);
-  sample("remote_latency_seconds_count", "",
-         static_cast<double>(st.remote.latency_buckets[RemoteStats::kLatencyBuckets - 1]));
-  return out.str();
+  out.sample("remote_latency_seconds_sum", "", st.remote.latency_seconds_sum);
+  out.sample("remote_latency_seconds_count", "",
+             static_cast<double>(st.remote.latency_buckets[RemoteStats::kLatencyBuckets - 1]));
+  return out.text();
 }
 
 Match::~Match() = default;

@@ -228,62 +228,28 @@ void RemoteCounters::record_latency(int64_t ns) {
 
 void RemoteCounters::fill(RemoteStats* s) const {
   auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
-  s->round_trips = get(round_trips);
-  s->skipped = get(skipped);
-  s->reconnects = get(reconnects);
-  s->filter_negatives = get(filter_negatives);
-  s->filter_passes = get(filter_passes);
-  s->filter_false_positives = get(filter_false_positives);
-  s->filter_refreshes = get(filter_refreshes);
-  s->filter_rebuilds = get(filter_rebuilds);
+  KVBRIDGE_REMOTE_COUNTERS(KVBRIDGE_STATS_LOAD_)
   s->latency_seconds_sum = static_cast<double>(get(latency_ns_sum)) * 1e-9;
   for (size_t i = 0; i < latency_buckets.size(); ++i) s->latency_buckets[i] = get(latency_buckets[i]);
 }
 
 LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntry& want,
                       char* payload, LoadedMeta* meta, TierCounters* counters, bool* drop) {
-  TierCounters& c = *counters;
   *drop = false;
-  auto miss = [&](std::atomic<int64_t>& reason) {
-    TierCounters::add(reason);
-    TierCounters::add(c.misses);
-    *drop = true;
-    return LoadResult::kMiss;
+  // The value is whole in memory: a block is read by copying it (verify_entry hashes each
+  // block right after the copy, while it is still in cache).
+  const size_t prefix = entry_prefix_bytes(want.chunk);
+  auto copy = [&](char* dst, size_t off, size_t len, unsigned char* trailer) {
+    std::memcpy(dst, data + prefix + off, len);
+    if (trailer) std::memcpy(trailer, data + prefix + off + len, kEntryTrailerBytes);
+    return true;
   };
   EntryHeader h;
-  try {
-    h = decode_entry_header(data, size);
-  } catch (const Corrupt&) {
-    return miss(c.corrupt);
-  }
-  if (!header_fits(h, want)) return miss(c.corrupt);
-  const size_t prefix = entry_prefix_bytes(h.chunk);
-  // Copy and hash block by block, so each block is hashed while it is still in cache.
-  constexpr size_t kBlock = size_t{256} << 10;
-  Xxh3Stream hash;
-  hash.update(data, prefix);
-  const unsigned char* src = data + prefix;
-  const size_t n = static_cast<size_t>(h.payload_bytes);
-  for (size_t off = 0; off < n; off += kBlock) {
-    const size_t len = std::min(kBlock, n - off);
-    std::memcpy(payload + off, src + off, len);
-    hash.update(payload + off, len);
-  }
-  if (hash.digest() != decode_trailer(data + prefix + n)) return miss(c.corrupt);
-  TierCounters::add(c.bytes_read, static_cast<int64_t>(size));
-  if (is_expired(h.created_ms, want)) return miss(c.expired);
-  std::vector<uint32_t> tokens(static_cast<size_t>(h.chunk));
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    const unsigned char* p = data + kEntryHeaderBytes + 4 * i;
-    tokens[i] = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-                static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
-  }
-  if (!same_chunk(h, tokens.data(), want)) {
-    TierCounters::add(c.misses);
-    return LoadResult::kCollision;
-  }
-  *meta = LoadedMeta::of(h);
-  return LoadResult::kHit;
+  const EntryCheck r = verify_entry(data, size, want, copy, payload, &h);
+  const LoadResult result = count_check(r, size, *counters);
+  *drop = r == EntryCheck::kCorrupt || r == EntryCheck::kExpired;
+  if (result == LoadResult::kHit) *meta = LoadedMeta::of(h);
+  return result;
 }
 
 struct RedisTier::Impl {

@@ -20,8 +20,7 @@ namespace kvbridge::detail {
 
 /// Counters of the remote side (RemoteStats without the filter state).
 struct RemoteCounters {
-  std::atomic<int64_t> round_trips{0}, skipped{0}, reconnects{0}, filter_negatives{0},
-      filter_passes{0}, filter_false_positives{0}, filter_refreshes{0}, filter_rebuilds{0};
+  KVBRIDGE_REMOTE_COUNTERS(KVBRIDGE_STATS_ATOMIC_)
   std::atomic<int64_t> latency_ns_sum{0};
   std::array<std::atomic<int64_t>, RemoteStats::kLatencyBuckets> latency_buckets{};
   void record_latency(int64_t ns);
