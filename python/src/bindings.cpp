@@ -5,6 +5,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <type_traits>
+
 #include "bind_bridge.h"
 #include "tokens.h"
 #include "kvbridge/kvbridge.h"
@@ -81,6 +83,56 @@ py::dict stats_dict(const StoreStats& from) {
   d["redis"] = tier_dict(from.redis);
   d["remote"] = remote_dict(from.remote);
   return d;
+}
+
+// ModelSpec's pickle state: every field in for_each_spec_field's order, rope_scaling's
+// flattened, enums by name.
+py::object field_py(const std::string& v) { return py::str(v); }
+py::object field_py(int64_t v) { return py::int_(v); }
+py::object field_py(double v) { return py::float_(v); }
+py::object field_py(DType v) { return py::str(dtype_name(v)); }
+py::object field_py(RopeStyle v) { return py::str(rope_style_name(v)); }
+py::object field_py(RopeScaling::Type v) { return py::str(rope_scaling_type_name(v)); }
+void field_from(const py::handle& o, std::string* v) { *v = o.cast<std::string>(); }
+void field_from(const py::handle& o, int64_t* v) { *v = o.cast<int64_t>(); }
+void field_from(const py::handle& o, double* v) { *v = o.cast<double>(); }
+void field_from(const py::handle& o, DType* v) { *v = parse_dtype(o.cast<std::string>()); }
+void field_from(const py::handle& o, RopeStyle* v) {
+  *v = parse_rope_style(o.cast<std::string>());
+}
+void field_from(const py::handle& o, RopeScaling::Type* v) {
+  *v = parse_rope_scaling_type(o.cast<std::string>());
+}
+
+// Calls f(field) for every leaf field of `spec` (rope_scaling's fields in place of it).
+template <class Spec, class F>
+void for_each_leaf(Spec& spec, F&& f) {
+  for_each_spec_field(
+      [&](const char*, auto& value) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
+          for_each_rope_scaling_field([&](const char*, auto& v) { f(v); }, value);
+        } else {
+          f(value);
+        }
+      },
+      spec);
+}
+
+py::tuple spec_state(const ModelSpec& s) {
+  py::list state;
+  for_each_leaf(s, [&](const auto& v) { state.append(field_py(v)); });
+  return py::tuple(state);
+}
+
+ModelSpec spec_from_state(const py::tuple& t) {
+  ModelSpec s;
+  size_t n = 0;
+  for_each_leaf(s, [&](auto&) { ++n; });
+  KVB_CHECK(t.size() == n, "ModelSpec pickle: expected " << n << " fields, got " << t.size());
+  size_t i = 0;
+  for_each_leaf(s, [&](auto& v) { field_from(t[i++], &v); });
+  s.validate();
+  return s;
 }
 
 py::dict report_dict(const FitReport& r) {
@@ -211,36 +263,7 @@ PYBIND11_MODULE(_core, m) {
                "', version=" + py::repr(py::str(s.version)).cast<std::string>() +
                ", fingerprint='" + s.fingerprint() + "')";
       })
-      .def(py::pickle(
-          [](const ModelSpec& s) {
-            return py::make_tuple(s.name, s.num_layers, s.num_kv_heads, s.head_dim,
-                                  dtype_name(s.dtype), s.version, s.tokenizer, s.rope_base,
-                                  rope_style_name(s.rope_style),
-                                  rope_scaling_type_name(s.rope_scaling.type),
-                                  s.rope_scaling.factor, s.rope_scaling.low_freq_factor,
-                                  s.rope_scaling.high_freq_factor,
-                                  s.rope_scaling.original_max_position);
-          },
-          [](const py::tuple& t) {
-            KVB_CHECK(t.size() == 14, "ModelSpec pickle: expected 14 fields, got " << t.size());
-            ModelSpec s;
-            s.name = t[0].cast<std::string>();
-            s.num_layers = t[1].cast<int64_t>();
-            s.num_kv_heads = t[2].cast<int64_t>();
-            s.head_dim = t[3].cast<int64_t>();
-            s.dtype = parse_dtype(t[4].cast<std::string>());
-            s.version = t[5].cast<std::string>();
-            s.tokenizer = t[6].cast<std::string>();
-            s.rope_base = t[7].cast<double>();
-            s.rope_style = parse_rope_style(t[8].cast<std::string>());
-            s.rope_scaling.type = parse_rope_scaling_type(t[9].cast<std::string>());
-            s.rope_scaling.factor = t[10].cast<double>();
-            s.rope_scaling.low_freq_factor = t[11].cast<double>();
-            s.rope_scaling.high_freq_factor = t[12].cast<double>();
-            s.rope_scaling.original_max_position = t[13].cast<int64_t>();
-            s.validate();
-            return s;
-          }));
+      .def(py::pickle(&spec_state, &spec_from_state));
 
   py::class_<TensorView>(m, "TensorView")
       .def(py::init(&make_view), py::arg("data"), py::arg("dtype"), py::arg("shape"),
