@@ -108,33 +108,55 @@ struct AdapterHealth {
 };
 
 /// Counters since construction. Times are wall-clock seconds summed over calls.
+/// BridgeStats described once, as kv_store.h's tables: X(type, member, metric, kind, help),
+/// metric names after the kvbridge_bridge_ prefix. adapters_skipped_quality counts, per load,
+/// the adapters to the target under min_quality; adapters_skipped_stale, per load, the adapters
+/// whose target has the load spec's name but another fingerprint (a stale adapter after a model
+/// update: never used, since adapters match by exact fingerprint). converted_tokens includes any
+/// trimmed last token.
+#define KVBRIDGE_BRIDGE_STATS(X)                                                                  \
+  X(int64_t, saves, "saves_total", counter, "Bridge save calls.")                                \
+  X(int64_t, loads, "loads_total", counter, "Bridge load calls.")                                \
+  X(int64_t, native_hits, "native_hits_total", counter,                                          \
+    "Loads served from the target model's own cache only.")                                      \
+  X(int64_t, converted_hits, "converted_hits_total", counter,                                    \
+    "Loads that used a prefix converted from another model.")                                    \
+  X(int64_t, misses, "misses_total", counter, "Loads that returned nothing.")                    \
+  X(int64_t, conversions, "conversions_total", counter, "Adapter conversions run.")              \
+  X(int64_t, native_tokens, "native_tokens_total", counter,                                      \
+    "Tokens returned from the target model's own cache.")                                        \
+  X(int64_t, converted_tokens, "converted_tokens_total", counter,                                \
+    "Tokens converted through adapters.")                                                        \
+  X(int64_t, written_back_tokens, "written_back_tokens_total", counter,                          \
+    "Tokens past the native prefix cached by writing converted prefixes back.")                  \
+  X(int64_t, adapters_skipped_quality, "adapters_skipped_quality_total", counter,                \
+    "Adapters to a load's target passed over for quality under min_quality.")                    \
+  X(int64_t, adapters_skipped_stale, "adapters_skipped_stale_total", counter,                    \
+    "Adapters whose target has a load's model name but another fingerprint.")                    \
+  X(int64_t, adapters_skipped_disabled, "adapters_skipped_disabled_total", counter,              \
+    "Adapters to a load's target passed over because they are disabled.")                        \
+  X(int64_t, quality_checks, "quality_checks_total", counter,                                    \
+    "Shadow quality checks recorded (record_check calls).")                                      \
+  X(int64_t, quality_disables, "quality_disables_total", counter,                                \
+    "Adapters disabled by the agreement floor.")                                                 \
+  X(int64_t, cross_tokenizer_loads, "cross_tokenizer_loads_total", counter,                      \
+    "Load calls given a target tokenization (across tokenizers).")                               \
+  X(int64_t, unverified_tokens, "unverified_tokens_total", counter,                              \
+    "Prompt tokens past the verified prefix of a load across tokenizers (never served).")        \
+  X(int64_t, aligned_hits, "aligned_hits_total", counter,                                        \
+    "Converted hits across tokenizers (of converted_hits).")                                     \
+  X(double, lookup_seconds, "lookup_seconds_total", counter,                                     \
+    "Seconds spent in store lookups and copies out of the store.")                               \
+  X(double, convert_seconds, "convert_seconds_total", counter,                                   \
+    "Seconds spent converting through adapters.")                                                \
+  X(int64_t, adapters, "adapters", gauge, "Adapters registered.")                                \
+  X(int64_t, adapters_below_quality, "adapters_below_quality", gauge,                            \
+    "Registered adapters under min_quality (never used).")                                       \
+  X(int64_t, adapters_disabled, "adapters_disabled", gauge,                                      \
+    "Registered adapters disabled now (by quality checks or disable_adapter).")
+
 struct BridgeStats {
-  int64_t saves = 0;                     ///< save() calls
-  int64_t loads = 0;                     ///< load() calls
-  int64_t native_hits = 0;               ///< loads served from the target's own cache only
-  int64_t converted_hits = 0;            ///< loads that used a converted prefix
-  int64_t misses = 0;                    ///< loads that returned nothing
-  int64_t conversions = 0;               ///< LinearAdapter::convert calls
-  int64_t native_tokens = 0;             ///< tokens returned from the target's own cache
-  int64_t converted_tokens = 0;          ///< tokens converted (including any trimmed last one)
-  int64_t written_back_tokens = 0;       ///< tokens past the native prefix cached by write-back
-  int64_t adapters_skipped_quality = 0;  ///< per load, adapters to the target under min_quality
-  /// Per load, adapters whose target has the load spec's name but another fingerprint (a stale
-  /// adapter after a model update: never used, since adapters match by exact fingerprint).
-  int64_t adapters_skipped_stale = 0;
-  int64_t cross_tokenizer_loads = 0;     ///< load() calls given a target tokenization
-  /// Per such load, prompt tokens past its verified prefix (never served across tokenizers).
-  int64_t unverified_tokens = 0;
-  int64_t aligned_hits = 0;              ///< of converted_hits, those across tokenizers
-  int64_t adapters = 0;                  ///< adapters registered now
-  int64_t adapters_below_quality = 0;    ///< of which under min_quality now
-  int64_t adapters_disabled = 0;         ///< of which disabled now (checks or disable_adapter)
-  /// Per load, adapters to the target passed over because they are disabled.
-  int64_t adapters_skipped_disabled = 0;
-  int64_t quality_checks = 0;            ///< record_check calls
-  int64_t quality_disables = 0;          ///< adapters disabled by the agreement floor
-  double lookup_seconds = 0;             ///< in KVStore::match and copies out of the store
-  double convert_seconds = 0;            ///< in LinearAdapter::convert
+  KVBRIDGE_BRIDGE_STATS(KVBRIDGE_STATS_MEMBER_)
 };
 
 /// The result of Bridge::load. Owns (or pins) its KV; movable, not copyable. Thread-compatible.

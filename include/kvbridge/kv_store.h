@@ -141,38 +141,99 @@ struct StoreOptions {
   std::function<int64_t()> clock_ms;
 };
 
-/// Counters of one tier. Chunk counts are entries (one per chunk_tokens tokens).
+// --- Stats -------------------------------------------------------------------------------------
+// Each stats struct is described once, by the field tables below: one row per field,
+//   X(type, member, metric, kind, help)
+// `metric` is the field's Prometheus name (after the kvbridge_store_ prefix; "" when the field is
+// not exported on its own), `kind` counter, gauge or none, `help` its meaning. The tables produce
+// the structs, the counters behind stats(), the Python dicts (KVStore.stats()) and
+// metrics_text(). A new counter is one row (docs/architecture.md).
+
+/// TierStats, set from the tier's state. Chunk counts are entries (one per chunk_tokens tokens).
+#define KVBRIDGE_TIER_GAUGES(X)                                                                   \
+  X(bool, enabled, "tier_enabled", gauge, "1 when the tier is configured.")                      \
+  X(int64_t, capacity_bytes, "capacity_bytes", gauge,                                            \
+    "Byte budget of the tier (0: none of its own).")                                             \
+  X(int64_t, bytes_used, "bytes", gauge,                                                         \
+    "Bytes the tier holds (memory: accounted; disk: file blocks).")                             \
+  X(int64_t, entries, "entries", gauge, "Chunk entries the tier indexes.")
+/// TierStats, counted by the tier.
+#define KVBRIDGE_TIER_COUNTERS(X)                                                                 \
+  X(int64_t, hit_chunks, "hits_total", counter, "Chunks served to match() by the tier.")         \
+  X(int64_t, misses, "misses_total", counter,                                                    \
+    "Chunk lookups that reached the tier and found nothing.")                                    \
+  X(int64_t, writes, "writes_total", counter, "Entries written to the tier.")                    \
+  X(int64_t, write_failures, "write_failures_total", counter,                                    \
+    "Writes that failed or were skipped.")                                                       \
+  X(int64_t, evictions, "evictions_total", counter, "Entries evicted to make room.")             \
+  X(int64_t, expired, "expired_total", counter, "Entries found past their TTL.")                 \
+  X(int64_t, corrupt, "corrupt_total", counter, "Entries that failed validation.")               \
+  X(int64_t, errors, "errors_total", counter, "I/O or remote errors.")                           \
+  X(int64_t, bytes_read, "read_bytes_total", counter, "Entry bytes read from the tier.")         \
+  X(int64_t, bytes_written, "written_bytes_total", counter, "Entry bytes written to the tier.")
+
+/// RemoteStats (Redis round trips and the filter), counted by the Redis tier.
+#define KVBRIDGE_REMOTE_COUNTERS(X)                                                               \
+  X(int64_t, round_trips, "remote_round_trips_total", counter,                                   \
+    "Redis commands or pipelines answered.")                                                     \
+  X(int64_t, skipped, "remote_skipped_total", counter,                                           \
+    "Redis operations skipped while it was marked down.")                                        \
+  X(int64_t, reconnects, "remote_reconnects_total", counter,                                     \
+    "Reconnects to Redis after a failure.")                                                      \
+  X(int64_t, filter_negatives, "filter_negatives_total", counter,                                \
+    "Lookups the filter answered as sure misses.")                                               \
+  X(int64_t, filter_passes, "filter_passes_total", counter, "Lookups the filter let through.")   \
+  X(int64_t, filter_false_positives, "filter_false_positives_total", counter,                    \
+    "Lookups let through that found nothing.")                                                   \
+  X(int64_t, filter_refreshes, "filter_refreshes_total", counter, "Filter copies fetched.")      \
+  X(int64_t, filter_rebuilds, "filter_rebuilds_total", counter, "Filters rebuilt from the keys.")
+/// RemoteStats, set from the tier's state (the latency histogram follows the struct).
+#define KVBRIDGE_REMOTE_GAUGES(X)                                                                 \
+  X(bool, filter_active, "filter_active", gauge, "1 while a usable filter copy is in use.")      \
+  X(double, latency_seconds_sum, "", none, "Total time of answered Redis round trips.")
+
+/// StoreStats, set from the memory tier's state (evictions: the memory tier's counter).
+/// metrics_text() writes the store's counters, then these, then the remote ones.
+#define KVBRIDGE_STORE_GAUGES(X)                                                                  \
+  X(int64_t, capacity_bytes, "", none, "Memory tier budget.")                                    \
+  X(int64_t, bytes_used, "", none,                                                               \
+    "Accounted memory bytes now (entries and recycled_bytes).")                                  \
+  X(int64_t, peak_bytes, "peak_bytes", gauge, "Highest accounted memory bytes reached.")         \
+  X(int64_t, recycled_bytes, "recycled_bytes", gauge, "Freed payload buffers kept for reuse.")   \
+  X(int64_t, entries, "", none, "Chunk entries in the memory index.")                            \
+  X(int64_t, evictions, "", none, "Memory entries evicted to make room.")
+/// StoreStats, counted by the store.
+#define KVBRIDGE_STORE_COUNTERS(X)                                                                \
+  X(int64_t, puts, "puts_total", counter, "put() calls.")                                        \
+  X(int64_t, chunks_inserted, "", none, "New memory entries created by put().")                  \
+  X(int64_t, chunks_present, "", none,                                                           \
+    "put() chunks already in memory (refreshed, not copied).")                                   \
+  X(int64_t, matches, "matches_total", counter, "match() calls.")                                \
+  X(int64_t, hits, "match_hits_total", counter, "match() calls that returned at least one chunk.") \
+  X(int64_t, misses, "match_misses_total", counter, "match() calls that returned nothing.")      \
+  X(int64_t, hit_chunks, "hit_chunks_total", counter, "Chunks returned by match(), from any tier.") \
+  X(int64_t, collisions, "collisions_total", counter,                                            \
+    "Entries rejected by the token, parent or salt check.")                                      \
+  X(int64_t, chunks_rejected, "chunks_rejected_total", counter, "put() chunks that no tier took.") \
+  X(int64_t, erased, "", none, "Memory entries removed by erase(), clear(), invalidate().")      \
+  X(int64_t, promotions, "promotions_total", counter,                                            \
+    "Chunks copied into memory from a lower tier.")                                              \
+  X(int64_t, promotions_rejected, "promotions_rejected_total", counter,                          \
+    "Lower-tier hits dropped for lack of memory.")
+
+#define KVBRIDGE_STATS_MEMBER_(type, member, metric, kind, help) type member{};
+
+/// Counters of one tier (KVBRIDGE_TIER_GAUGES, KVBRIDGE_TIER_COUNTERS).
 struct TierStats {
-  bool enabled = false;
-  int64_t capacity_bytes = 0;   ///< memory, disk: the budget; Redis: 0 (the server's own)
-  /// memory: accounted bytes; disk: the directory's file bytes (4 KiB blocks), of all stores
-  int64_t bytes_used = 0;
-  /// memory: entries indexed; disk: entry files this store knows of; Redis: 0 (not tracked)
-  int64_t entries = 0;
-  int64_t hit_chunks = 0;       ///< chunks this tier served to match()
-  int64_t misses = 0;           ///< chunk lookups that reached this tier and found nothing
-  int64_t writes = 0;           ///< entries written (put, and promotions into memory)
-  int64_t write_failures = 0;   ///< writes that failed or were skipped (error, no room, down)
-  int64_t evictions = 0;        ///< entries dropped to make room
-  int64_t expired = 0;          ///< entries found past their TTL (removed, counted as misses)
-  int64_t corrupt = 0;          ///< entries that failed validation (removed, counted as misses)
-  int64_t errors = 0;           ///< I/O or remote errors (each also a miss or failed write)
-  int64_t bytes_read = 0;       ///< entry bytes read from this tier (disk, Redis)
-  int64_t bytes_written = 0;    ///< entry bytes written to this tier (disk, Redis)
+  KVBRIDGE_TIER_GAUGES(KVBRIDGE_STATS_MEMBER_)
+  KVBRIDGE_TIER_COUNTERS(KVBRIDGE_STATS_MEMBER_)
 };
 
-/// Redis round trips, their latency, and the filter.
+/// Redis round trips, their latency, and the filter (KVBRIDGE_REMOTE_COUNTERS,
+/// KVBRIDGE_REMOTE_GAUGES, and the latency histogram).
 struct RemoteStats {
-  int64_t round_trips = 0;         ///< commands or pipelines sent and answered
-  int64_t skipped = 0;             ///< operations skipped while the server was marked down
-  int64_t reconnects = 0;          ///< successful connects after a failure
-  int64_t filter_negatives = 0;    ///< lookups answered as sure misses (round trips saved)
-  int64_t filter_passes = 0;       ///< lookups the filter let through (maybe present)
-  int64_t filter_false_positives = 0;  ///< lookups let through that found nothing
-  int64_t filter_refreshes = 0;    ///< local filter copies fetched
-  int64_t filter_rebuilds = 0;     ///< filters rebuilt from the keys by this store
-  bool filter_active = false;      ///< a usable filter copy is in use now
-  double latency_seconds_sum = 0;  ///< total time of answered round trips
+  KVBRIDGE_REMOTE_COUNTERS(KVBRIDGE_STATS_MEMBER_)
+  KVBRIDGE_REMOTE_GAUGES(KVBRIDGE_STATS_MEMBER_)
   /// Round trips by latency: count with latency <= kLatencyBounds[i] seconds; the last slot
   /// counts every round trip (+Inf).
   static constexpr int kLatencyBuckets = 12;
@@ -181,25 +242,11 @@ struct RemoteStats {
   std::array<int64_t, kLatencyBuckets> latency_buckets{};  ///< cumulative, as Prometheus's
 };
 
+/// The store's counters (KVBRIDGE_STORE_GAUGES, KVBRIDGE_STORE_COUNTERS) and each tier's.
+/// peak_bytes is never above capacity_bytes; recycled_bytes holds up to 4 buffers of >= 1 MiB.
 struct StoreStats {
-  int64_t capacity_bytes = 0;   ///< memory tier
-  int64_t bytes_used = 0;       ///< memory: accounted bytes now (entries and recycled_bytes)
-  int64_t recycled_bytes = 0;   ///< freed payload buffers kept for reuse (up to 4, >= 1 MiB each)
-  int64_t peak_bytes = 0;       ///< highest bytes_used ever reached (never > capacity_bytes)
-  int64_t entries = 0;          ///< chunk entries in the memory index
-  int64_t puts = 0;             ///< put() calls
-  int64_t chunks_inserted = 0;  ///< new memory entries created by put()
-  int64_t chunks_present = 0;   ///< put() chunks already in memory (refreshed, not copied)
-  int64_t chunks_rejected = 0;  ///< put() chunks that no tier took (memory full and pinned...)
-  int64_t matches = 0;          ///< match() calls
-  int64_t hits = 0;             ///< match() calls that returned >= 1 chunk
-  int64_t misses = 0;           ///< match() calls that returned nothing
-  int64_t hit_chunks = 0;       ///< chunks returned by match(), from any tier
-  int64_t collisions = 0;       ///< entries rejected by the token / parent / salt check
-  int64_t evictions = 0;        ///< memory entries evicted to make room
-  int64_t erased = 0;           ///< memory entries removed by erase(), clear(), invalidate()
-  int64_t promotions = 0;       ///< chunks copied into memory from the disk or Redis tier
-  int64_t promotions_rejected = 0;  ///< lower-tier hits dropped: no memory room (match stops)
+  KVBRIDGE_STORE_GAUGES(KVBRIDGE_STATS_MEMBER_)
+  KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STATS_MEMBER_)
   TierStats memory, disk, redis;
   RemoteStats remote;
   static constexpr int64_t kEntryOverheadBytes = 128;  ///< fixed accounted bytes per entry

@@ -59,6 +59,38 @@ struct ModelSpec {
   bool operator!=(const ModelSpec& other) const noexcept { return !(*this == other); }
 };
 
+/// The one list of RopeScaling's fields: calls f(name, field of each of `s`...) for type,
+/// factor, low_freq_factor, high_freq_factor and original_max_position, in that order.
+/// Equality, the fingerprint, the adapter file's JSON and the Python pickle are written from it.
+template <class F, class... S>
+void for_each_rope_scaling_field(F&& f, S&... s) {
+  f("type", s.type...);
+  f("factor", s.factor...);
+  f("low_freq_factor", s.low_freq_factor...);
+  f("high_freq_factor", s.high_freq_factor...);
+  f("original_max_position", s.original_max_position...);
+}
+
+/// The one list of ModelSpec's fields: calls f(name, field of each of `s`...) for every field
+/// in the order of the fingerprint encoding (docs/hashing.md). Fields are std::string, int64_t,
+/// DType, double, RopeStyle or (for "rope_scaling") a RopeScaling, whose own fields
+/// for_each_rope_scaling_field lists. Equality, the fingerprint, the adapter file's JSON and
+/// the Python pickle are written from it; a new field is one line here (and its check in
+/// validate()).
+template <class F, class... S>
+void for_each_spec_field(F&& f, S&... s) {
+  f("name", s.name...);
+  f("version", s.version...);
+  f("tokenizer", s.tokenizer...);
+  f("num_layers", s.num_layers...);
+  f("num_kv_heads", s.num_kv_heads...);
+  f("head_dim", s.head_dim...);
+  f("dtype", s.dtype...);
+  f("rope_base", s.rope_base...);
+  f("rope_style", s.rope_style...);
+  f("rope_scaling", s.rope_scaling...);
+}
+
 const char* rope_style_name(RopeStyle style) noexcept;
 /// "none", "linear" or "llama3".
 const char* rope_scaling_type_name(RopeScaling::Type type) noexcept;

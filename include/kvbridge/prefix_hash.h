@@ -16,18 +16,10 @@
 #include <string_view>
 #include <vector>
 
+#include "kvbridge/hash128.h"
 #include "kvbridge/model_spec.h"
 
 namespace kvbridge {
-
-struct Hash128 {
-  uint64_t low = 0;
-  uint64_t high = 0;
-  bool operator==(const Hash128& o) const noexcept { return low == o.low && high == o.high; }
-  bool operator!=(const Hash128& o) const noexcept { return !(*this == o); }
-  /// 32 lowercase hex digits, high64 first.
-  std::string hex() const;
-};
 
 /// Token ids as the caller holds them, either int64 (`data`; each id must lie in [0, 2^32), which
 /// the library checks) or uint32 (`data32`; every value is a valid id). Exactly one of the two

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvbridge import _core
+from kvbridge._core import InvalidArgumentError
 
 KVCache = Tuple[Tuple[torch.Tensor, torch.Tensor], ...]
 
@@ -59,16 +60,16 @@ def cache_layers(cache: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     pairs = []
     for i, layer in enumerate(cache.layers):
         if getattr(layer, "is_sliding", False):
-            raise ValueError(f"kv: layer {i} of the cache is a sliding-window layer; only caches "
-                             "that hold every token (DynamicLayer) are supported")
+            raise InvalidArgumentError(f"kv: layer {i} of the cache is a sliding-window layer; only caches "
+                                       "that hold every token (DynamicLayer) are supported")
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or (
                 not getattr(layer, "is_initialized", True)) or keys.dim() != 4:
-            raise ValueError(f"kv: layer {i} of the cache holds no [batch, heads, tokens, "
-                             "head_dim] keys and values (empty or not initialized)")
+            raise InvalidArgumentError(f"kv: layer {i} of the cache holds no [batch, heads, tokens, "
+                                       "head_dim] keys and values (empty or not initialized)")
         pairs.append((keys, values))
     if not pairs:
-        raise ValueError("kv: the cache has no layers (nothing was cached yet)")
+        raise InvalidArgumentError("kv: the cache has no layers (nothing was cached yet)")
     return pairs
 
 
@@ -88,7 +89,7 @@ def check_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         raise TypeError("kv: expected a tuple of (key, value) pairs per layer or a transformers "
                         f"DynamicCache, got {type(kv).__name__}")
     if len(kv) == 0:
-        raise ValueError("kv: expected at least one layer, got none")
+        raise InvalidArgumentError("kv: expected at least one layer, got none")
     pairs = []
     for i, layer in enumerate(kv):
         if not isinstance(layer, (tuple, list)) or len(layer) != 2:
@@ -100,7 +101,7 @@ def check_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
                 raise TypeError(f"kv[{i}][{j}]: expected a dense (strided) tensor, got layout "
                                 f"{t.layout}")
             if t.device.type == "meta":
-                raise ValueError(f"kv[{i}][{j}]: a meta tensor holds no data")
+                raise InvalidArgumentError(f"kv[{i}][{j}]: a meta tensor holds no data")
         pairs.append((layer[0], layer[1]))
     return pairs
 

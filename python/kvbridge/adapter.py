@@ -10,6 +10,7 @@ import torch
 from kvbridge import _args, _core
 from kvbridge._tensors import (KVCache, check_kv, empty_kv, host_kv, is_cache_object, kv_views,
                                legacy_to_cache)
+from kvbridge._core import InvalidArgumentError
 
 SourceLayers = Union[str, Sequence[Sequence[int]]]
 
@@ -148,7 +149,7 @@ class AdapterFitter:
         opts = _core.FitOptions()
         if isinstance(source_layers, str):
             if source_layers not in ("auto", "all"):
-                raise ValueError(f"source_layers: expected 'auto', 'all' or lists, got {source_layers!r}")
+                raise InvalidArgumentError(f"source_layers: expected 'auto', 'all' or lists, got {source_layers!r}")
             opts.selection = (_core.FitOptions.Selection.AUTO if source_layers == "auto"
                               else _core.FitOptions.Selection.ALL)
         else:
@@ -157,7 +158,7 @@ class AdapterFitter:
                                   for layers in source_layers]
         if ridge != "auto":
             if isinstance(ridge, str):
-                raise ValueError(f"ridge: expected 'auto' or a number, got {ridge!r}")
+                raise InvalidArgumentError(f"ridge: expected 'auto' or a number, got {ridge!r}")
             opts.ridge_grid = [_args.number("ridge", ridge)]
         opts.rope_aware = _args.flag("rope_aware", rope_aware)
         opts.holdout = _args.number("holdout", holdout)
@@ -235,9 +236,9 @@ def fit_adapter(source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
     """
     fitter = AdapterFitter(source_spec, target_spec, **fitter_options)
     if fitter.passes > 1 and iter(batches) is batches:
-        raise ValueError("fit_adapter: this fitter takes two passes over the batches (a probe pass "
-                         "first, see AdapterFitter.passes), so batches must be re-iterable, "
-                         "e.g. a list, not an iterator or generator")
+        raise InvalidArgumentError("fit_adapter: this fitter takes two passes over the batches (a probe pass "
+                                   "first, see AdapterFitter.passes), so batches must be re-iterable, "
+                                   "e.g. a list, not an iterator or generator")
     with torch.no_grad():
         for p in range(fitter.passes):
             if p > 0:

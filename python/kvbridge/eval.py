@@ -86,6 +86,7 @@ import torch
 
 import kvbridge
 from kvbridge._tensors import KVCache
+from kvbridge._core import InvalidArgumentError
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "rope_auto": {"rope_aware": True, "source_layers": "auto"},
@@ -121,7 +122,7 @@ def pack_windows(token_lists: Sequence[Sequence[int]], length: int,
                  count: Optional[int] = None) -> List[List[int]]:
     """Windows of exactly `length` tokens, each starting at a text's first token (see module)."""
     if length < 2:
-        raise ValueError(f"length: expected at least 2 tokens, got {length}")
+        raise InvalidArgumentError(f"length: expected at least 2 tokens, got {length}")
     windows: List[List[int]] = []
     i = 0
     while i < len(token_lists) and (count is None or len(windows) < count):
@@ -199,9 +200,9 @@ class Sums:
         """Adds one window: logits [C, vocab] of each setting, targets [C] token ids."""
         if not (logits_own.shape == logits_conv.shape == logits_none.shape
                 and logits_own.shape[0] == targets.shape[0]):
-            raise ValueError("logits and targets disagree in shape: "
-                             f"{tuple(logits_own.shape)}, {tuple(logits_conv.shape)}, "
-                             f"{tuple(logits_none.shape)}, {tuple(targets.shape)}")
+            raise InvalidArgumentError("logits and targets disagree in shape: "
+                                       f"{tuple(logits_own.shape)}, {tuple(logits_conv.shape)}, "
+                                       f"{tuple(logits_none.shape)}, {tuple(targets.shape)}")
         ce = torch.nn.functional.cross_entropy
         t = targets.long()
         self.tokens += int(t.numel())
@@ -212,7 +213,7 @@ class Sums:
 
     def metrics(self) -> Dict[str, float]:
         if self.tokens == 0:
-            raise ValueError("no continuation tokens were scored")
+            raise InvalidArgumentError("no continuation tokens were scored")
         l_own, l_conv = self.loss_own / self.tokens, self.loss_conv / self.tokens
         l_none = self.loss_none / self.tokens
         return {"kept": kept(l_none, l_conv, l_own), "agreement": self.agree / self.tokens,
@@ -239,8 +240,8 @@ def score_windows(target_model, windows: Sequence[Sequence[int]], continuation: 
     sums = {name: Sums() for name in converters}
     for w in windows:
         if len(w) <= continuation + 1:
-            raise ValueError(f"window of {len(w)} tokens is too short for {continuation} "
-                             "continuation tokens")
+            raise InvalidArgumentError(f"window of {len(w)} tokens is too short for {continuation} "
+                                       "continuation tokens")
         p = len(w) - continuation
         targets = torch.as_tensor(w[p:], dtype=torch.long)
         own_kv = prefix_kv(target_model, w[: p - 1])
@@ -465,10 +466,10 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
     max_context = int(testbed_module(data).MAX_CONTEXT)
     window = config.window_tokens or max_context
     if window > max_context:
-        raise ValueError(f"window_tokens {window} exceeds testbed.MAX_CONTEXT {max_context}")
+        raise InvalidArgumentError(f"window_tokens {window} exceeds testbed.MAX_CONTEXT {max_context}")
     cont = config.continuation_tokens or window // 4
     if not 1 <= cont <= window - 2:
-        raise ValueError(f"continuation_tokens: expected 1..{window - 2}, got {cont}")
+        raise InvalidArgumentError(f"continuation_tokens: expected 1..{window - 2}, got {cont}")
     timings: Dict[str, float] = {}
     t0 = time.perf_counter()
     if adapters is None:
@@ -482,7 +483,7 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
         train_windows = 0
     heldout = text_windows(pair, "heldout", window, config.heldout_windows, data)
     if not heldout:
-        raise ValueError("no held-out window fits: fewer held-out tokens than window_tokens")
+        raise InvalidArgumentError("no held-out window fits: fewer held-out tokens than window_tokens")
     t1 = time.perf_counter()
     scores = score_windows(pair.target.model, heldout, cont, pair.tokenizer.bos_id,
                            lambda ids: prefix_kv(pair.source.model, ids),
@@ -495,10 +496,10 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
                                         else variants[n]["kept"]))
     lengths = config.ttft_lengths or default_ttft_lengths(max_context, config.chunk_tokens)
     if max(lengths) > max_context:
-        raise ValueError(f"TTFT length {max(lengths)} exceeds testbed.MAX_CONTEXT {max_context}")
+        raise InvalidArgumentError(f"TTFT length {max(lengths)} exceeds testbed.MAX_CONTEXT {max_context}")
     ttft_texts = text_windows(pair, "heldout", max(lengths), 1, data)
     if not ttft_texts:
-        raise ValueError("held-out text too short for the longest TTFT prompt")
+        raise InvalidArgumentError("held-out text too short for the longest TTFT prompt")
     t2 = time.perf_counter()
     ttft = measure_ttft(pair, adapters, [ttft_texts[0][:n] for n in lengths],
                         repeats=config.ttft_repeats, chunk_tokens=config.chunk_tokens)

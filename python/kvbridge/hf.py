@@ -26,7 +26,7 @@ def to_legacy(cache: Any) -> KVCache:
     """The legacy tuple ``((key, value), ...)`` of a DynamicCache, sharing its tensors (no copy).
 
     A legacy tuple or list passes through as a tuple of pairs. Sliding-window and empty layers
-    raise ValueError; anything else TypeError.
+    raise kvbridge.InvalidArgumentError; anything else TypeError.
     """
     if is_cache_object(cache):
         return tuple(cache_layers(cache))

@@ -25,6 +25,7 @@ import pathlib
 from typing import Any, Optional, Tuple, Union
 
 from kvbridge import _core
+from kvbridge._core import InvalidArgumentError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -119,7 +120,7 @@ def rope_parameters(config: Any) -> Tuple[float, _core.RopeScaling]:
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position=int(params["original_max_position_embeddings"]))
-    raise ValueError(f"model_spec: RoPE type {kind!r} is not supported by kvbridge.ModelSpec")
+    raise InvalidArgumentError(f"model_spec: RoPE type {kind!r} is not supported by kvbridge.ModelSpec")
 
 
 def spec_from_config(config: Any, name: str, dtype: str, version: str, tokenizer: str,

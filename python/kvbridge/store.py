@@ -10,6 +10,7 @@ import torch
 from kvbridge import _args, _core
 from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
                                legacy_to_cache)
+from kvbridge._core import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def _tier_mask(tiers: Iterable[str]) -> int:
     mask = 0
     for t in tiers:
         if t not in _TIER_BITS:
-            raise ValueError(f"tiers: expected 'memory', 'disk' or 'redis', got {t!r}")
+            raise InvalidArgumentError(f"tiers: expected 'memory', 'disk' or 'redis', got {t!r}")
         mask |= _TIER_BITS[t]
     return mask
 
@@ -92,8 +93,8 @@ class KVStore:
             try:
                 setattr(o, name, value)
             except TypeError:  # an int wider than the field (a C++ int)
-                raise _core.InvalidArgumentError(
-                    f"{name}: {value!r} is out of range for this option") from None
+                raise InvalidArgumentError(
+                              f"{name}: {value!r} is out of range for this option") from None
         self._store = _core.KVStore(o)
 
     @property

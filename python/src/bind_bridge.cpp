@@ -13,30 +13,12 @@ namespace kvbridge::python {
 
 namespace {
 
-py::dict stats_dict(const BridgeStats& s) {
+// One key per row of KVBRIDGE_BRIDGE_STATS (bridge.h).
+py::dict stats_dict(const BridgeStats& from) {
   py::dict d;
-  d["saves"] = s.saves;
-  d["loads"] = s.loads;
-  d["native_hits"] = s.native_hits;
-  d["converted_hits"] = s.converted_hits;
-  d["misses"] = s.misses;
-  d["conversions"] = s.conversions;
-  d["native_tokens"] = s.native_tokens;
-  d["converted_tokens"] = s.converted_tokens;
-  d["written_back_tokens"] = s.written_back_tokens;
-  d["adapters_skipped_quality"] = s.adapters_skipped_quality;
-  d["adapters_skipped_stale"] = s.adapters_skipped_stale;
-  d["cross_tokenizer_loads"] = s.cross_tokenizer_loads;
-  d["unverified_tokens"] = s.unverified_tokens;
-  d["aligned_hits"] = s.aligned_hits;
-  d["adapters"] = s.adapters;
-  d["adapters_below_quality"] = s.adapters_below_quality;
-  d["adapters_disabled"] = s.adapters_disabled;
-  d["adapters_skipped_disabled"] = s.adapters_skipped_disabled;
-  d["quality_checks"] = s.quality_checks;
-  d["quality_disables"] = s.quality_disables;
-  d["lookup_seconds"] = s.lookup_seconds;
-  d["convert_seconds"] = s.convert_seconds;
+#define KVBRIDGE_DICT_ITEM_(type, member, metric, kind, help) d[#member] = from.member;
+  KVBRIDGE_BRIDGE_STATS(KVBRIDGE_DICT_ITEM_)
+#undef KVBRIDGE_DICT_ITEM_
   return d;
 }
 

@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <type_traits>
+
 #include "bind_bridge.h"
 #include "tokens.h"
 #include "kvbridge/kvbridge.h"
@@ -52,70 +54,87 @@ TensorView make_view(uintptr_t data, const std::string& dtype, std::vector<int64
   return v;
 }
 
-py::dict tier_dict(const TierStats& t) {
+// Stats dicts: one key per row of the field tables in kv_store.h.
+#define KVBRIDGE_DICT_ITEM_(type, member, metric, kind, help) d[#member] = from.member;
+
+py::dict tier_dict(const TierStats& from) {
   py::dict d;
-  d["enabled"] = t.enabled;
-  d["capacity_bytes"] = t.capacity_bytes;
-  d["bytes_used"] = t.bytes_used;
-  d["entries"] = t.entries;
-  d["hit_chunks"] = t.hit_chunks;
-  d["misses"] = t.misses;
-  d["writes"] = t.writes;
-  d["write_failures"] = t.write_failures;
-  d["evictions"] = t.evictions;
-  d["expired"] = t.expired;
-  d["corrupt"] = t.corrupt;
-  d["errors"] = t.errors;
-  d["bytes_read"] = t.bytes_read;
-  d["bytes_written"] = t.bytes_written;
+  KVBRIDGE_TIER_GAUGES(KVBRIDGE_DICT_ITEM_)
+  KVBRIDGE_TIER_COUNTERS(KVBRIDGE_DICT_ITEM_)
   return d;
 }
 
-py::dict remote_dict(const RemoteStats& r) {
+py::dict remote_dict(const RemoteStats& from) {
   py::dict d;
-  d["round_trips"] = r.round_trips;
-  d["skipped"] = r.skipped;
-  d["reconnects"] = r.reconnects;
-  d["filter_negatives"] = r.filter_negatives;
-  d["filter_passes"] = r.filter_passes;
-  d["filter_false_positives"] = r.filter_false_positives;
-  d["filter_refreshes"] = r.filter_refreshes;
-  d["filter_rebuilds"] = r.filter_rebuilds;
-  d["filter_active"] = r.filter_active;
-  d["latency_seconds_sum"] = r.latency_seconds_sum;
+  KVBRIDGE_REMOTE_COUNTERS(KVBRIDGE_DICT_ITEM_)
+  KVBRIDGE_REMOTE_GAUGES(KVBRIDGE_DICT_ITEM_)
   py::list bounds, buckets;
   for (double b : RemoteStats::kLatencyBounds) bounds.append(b);
-  for (int64_t b : r.latency_buckets) buckets.append(b);
+  for (int64_t b : from.latency_buckets) buckets.append(b);
   d["latency_bounds_seconds"] = bounds;
   d["latency_buckets"] = buckets;
   return d;
 }
 
-py::dict stats_dict(const StoreStats& s) {
+py::dict stats_dict(const StoreStats& from) {
   py::dict d;
-  d["capacity_bytes"] = s.capacity_bytes;
-  d["bytes_used"] = s.bytes_used;
-  d["recycled_bytes"] = s.recycled_bytes;
-  d["peak_bytes"] = s.peak_bytes;
-  d["entries"] = s.entries;
-  d["puts"] = s.puts;
-  d["chunks_inserted"] = s.chunks_inserted;
-  d["chunks_present"] = s.chunks_present;
-  d["chunks_rejected"] = s.chunks_rejected;
-  d["matches"] = s.matches;
-  d["hits"] = s.hits;
-  d["misses"] = s.misses;
-  d["hit_chunks"] = s.hit_chunks;
-  d["collisions"] = s.collisions;
-  d["evictions"] = s.evictions;
-  d["erased"] = s.erased;
-  d["promotions"] = s.promotions;
-  d["promotions_rejected"] = s.promotions_rejected;
-  d["memory"] = tier_dict(s.memory);
-  d["disk"] = tier_dict(s.disk);
-  d["redis"] = tier_dict(s.redis);
-  d["remote"] = remote_dict(s.remote);
+  KVBRIDGE_STORE_GAUGES(KVBRIDGE_DICT_ITEM_)
+  KVBRIDGE_STORE_COUNTERS(KVBRIDGE_DICT_ITEM_)
+  d["memory"] = tier_dict(from.memory);
+  d["disk"] = tier_dict(from.disk);
+  d["redis"] = tier_dict(from.redis);
+  d["remote"] = remote_dict(from.remote);
   return d;
+}
+
+// ModelSpec's pickle state: every field in for_each_spec_field's order, rope_scaling's
+// flattened, enums by name.
+py::object field_py(const std::string& v) { return py::str(v); }
+py::object field_py(int64_t v) { return py::int_(v); }
+py::object field_py(double v) { return py::float_(v); }
+py::object field_py(DType v) { return py::str(dtype_name(v)); }
+py::object field_py(RopeStyle v) { return py::str(rope_style_name(v)); }
+py::object field_py(RopeScaling::Type v) { return py::str(rope_scaling_type_name(v)); }
+void field_from(const py::handle& o, std::string* v) { *v = o.cast<std::string>(); }
+void field_from(const py::handle& o, int64_t* v) { *v = o.cast<int64_t>(); }
+void field_from(const py::handle& o, double* v) { *v = o.cast<double>(); }
+void field_from(const py::handle& o, DType* v) { *v = parse_dtype(o.cast<std::string>()); }
+void field_from(const py::handle& o, RopeStyle* v) {
+  *v = parse_rope_style(o.cast<std::string>());
+}
+void field_from(const py::handle& o, RopeScaling::Type* v) {
+  *v = parse_rope_scaling_type(o.cast<std::string>());
+}
+
+// Calls f(field) for every leaf field of `spec` (rope_scaling's fields in place of it).
+template <class Spec, class F>
+void for_each_leaf(Spec& spec, F&& f) {
+  for_each_spec_field(
+      [&](const char*, auto& value) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
+          for_each_rope_scaling_field([&](const char*, auto& v) { f(v); }, value);
+        } else {
+          f(value);
+        }
+      },
+      spec);
+}
+
+py::tuple spec_state(const ModelSpec& s) {
+  py::list state;
+  for_each_leaf(s, [&](const auto& v) { state.append(field_py(v)); });
+  return py::tuple(state);
+}
+
+ModelSpec spec_from_state(const py::tuple& t) {
+  ModelSpec s;
+  size_t n = 0;
+  for_each_leaf(s, [&](auto&) { ++n; });
+  KVB_CHECK(t.size() == n, "ModelSpec pickle: expected " << n << " fields, got " << t.size());
+  size_t i = 0;
+  for_each_leaf(s, [&](auto& v) { field_from(t[i++], &v); });
+  s.validate();
+  return s;
 }
 
 py::dict report_dict(const FitReport& r) {
@@ -247,36 +266,7 @@ PYBIND11_MODULE(_core, m) {
                "', version=" + py::repr(py::str(s.version)).cast<std::string>() +
                ", fingerprint='" + s.fingerprint() + "')";
       })
-      .def(py::pickle(
-          [](const ModelSpec& s) {
-            return py::make_tuple(s.name, s.num_layers, s.num_kv_heads, s.head_dim,
-                                  dtype_name(s.dtype), s.version, s.tokenizer, s.rope_base,
-                                  rope_style_name(s.rope_style),
-                                  rope_scaling_type_name(s.rope_scaling.type),
-                                  s.rope_scaling.factor, s.rope_scaling.low_freq_factor,
-                                  s.rope_scaling.high_freq_factor,
-                                  s.rope_scaling.original_max_position);
-          },
-          [](const py::tuple& t) {
-            KVB_CHECK(t.size() == 14, "ModelSpec pickle: expected 14 fields, got " << t.size());
-            ModelSpec s;
-            s.name = t[0].cast<std::string>();
-            s.num_layers = t[1].cast<int64_t>();
-            s.num_kv_heads = t[2].cast<int64_t>();
-            s.head_dim = t[3].cast<int64_t>();
-            s.dtype = parse_dtype(t[4].cast<std::string>());
-            s.version = t[5].cast<std::string>();
-            s.tokenizer = t[6].cast<std::string>();
-            s.rope_base = t[7].cast<double>();
-            s.rope_style = parse_rope_style(t[8].cast<std::string>());
-            s.rope_scaling.type = parse_rope_scaling_type(t[9].cast<std::string>());
-            s.rope_scaling.factor = t[10].cast<double>();
-            s.rope_scaling.low_freq_factor = t[11].cast<double>();
-            s.rope_scaling.high_freq_factor = t[12].cast<double>();
-            s.rope_scaling.original_max_position = t[13].cast<int64_t>();
-            s.validate();
-            return s;
-          }));
+      .def(py::pickle(&spec_state, &spec_from_state));
 
   py::class_<TensorView>(m, "TensorView")
       .def(py::init(&make_view), py::arg("data"), py::arg("dtype"), py::arg("shape"),

@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <nlohmann/json.hpp>
 
 #include "kvbridge/adapter.h"
@@ -14,6 +15,7 @@
 #include "kvbridge/error.h"
 #include "src/adapter/adapter_impl.h"
 #include "src/adapter/numeric.h"
+#include "src/core/byte_order.h"
 #include "src/core/xxh3.h"
 #include "src/io/safetensors.h"
 
@@ -32,44 +34,56 @@ constexpr const char* kAlignmentPolicyKey = "alignment_policy";
 constexpr const char* kChecksumKey = "checksum";
 constexpr char kChecksumTag[] = "kvbridge.adapter.checksum";
 
+// A spec field as JSON (enums by name) and back.
+json field_json(const std::string& v) { return v; }
+json field_json(int64_t v) { return v; }
+json field_json(double v) { return v; }
+json field_json(DType v) { return dtype_name(v); }
+json field_json(RopeStyle v) { return rope_style_name(v); }
+json field_json(RopeScaling::Type v) { return rope_scaling_type_name(v); }
+void field_from(const json& j, std::string* v) { *v = j.get<std::string>(); }
+void field_from(const json& j, int64_t* v) { *v = j.get<int64_t>(); }
+void field_from(const json& j, double* v) { *v = j.get<double>(); }
+void field_from(const json& j, DType* v) { *v = parse_dtype(j.get<std::string>()); }
+void field_from(const json& j, RopeStyle* v) { *v = parse_rope_style(j.get<std::string>()); }
+void field_from(const json& j, RopeScaling::Type* v) {
+  *v = parse_rope_scaling_type(j.get<std::string>());
+}
+
+// Every field of ModelSpec (for_each_spec_field), rope_scaling as an object of its own.
 json spec_json(const ModelSpec& s) {
-  return json{{"name", s.name},
-              {"version", s.version},
-              {"tokenizer", s.tokenizer},
-              {"num_layers", s.num_layers},
-              {"num_kv_heads", s.num_kv_heads},
-              {"head_dim", s.head_dim},
-              {"dtype", dtype_name(s.dtype)},
-              {"rope_base", s.rope_base},
-              {"rope_style", rope_style_name(s.rope_style)},
-              {"rope_scaling",
-               {{"type", rope_scaling_type_name(s.rope_scaling.type)},
-                {"factor", s.rope_scaling.factor},
-                {"low_freq_factor", s.rope_scaling.low_freq_factor},
-                {"high_freq_factor", s.rope_scaling.high_freq_factor},
-                {"original_max_position", s.rope_scaling.original_max_position}}},
-              {"fingerprint", s.fingerprint()}};
+  json j = json::object();
+  for_each_spec_field(
+      [&](const char* key, const auto& value) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
+          json r = json::object();
+          for_each_rope_scaling_field([&](const char* k, const auto& v) { r[k] = field_json(v); },
+                                      value);
+          j[key] = std::move(r);
+        } else {
+          j[key] = field_json(value);
+        }
+      },
+      s);
+  j["fingerprint"] = s.fingerprint();
+  return j;
 }
 
 // Any parse or validation failure of the metadata is a Corrupt file, not a caller error.
 ModelSpec spec_from_json(const json& j, const char* what) {
   try {
     ModelSpec s;
-    s.name = j.at("name").get<std::string>();
-    s.version = j.at("version").get<std::string>();
-    s.tokenizer = j.at("tokenizer").get<std::string>();
-    s.num_layers = j.at("num_layers").get<int64_t>();
-    s.num_kv_heads = j.at("num_kv_heads").get<int64_t>();
-    s.head_dim = j.at("head_dim").get<int64_t>();
-    s.dtype = parse_dtype(j.at("dtype").get<std::string>());
-    s.rope_base = j.at("rope_base").get<double>();
-    s.rope_style = parse_rope_style(j.at("rope_style").get<std::string>());
-    const json& r = j.at("rope_scaling");
-    s.rope_scaling.type = parse_rope_scaling_type(r.at("type").get<std::string>());
-    s.rope_scaling.factor = r.at("factor").get<double>();
-    s.rope_scaling.low_freq_factor = r.at("low_freq_factor").get<double>();
-    s.rope_scaling.high_freq_factor = r.at("high_freq_factor").get<double>();
-    s.rope_scaling.original_max_position = r.at("original_max_position").get<int64_t>();
+    for_each_spec_field(
+        [&](const char* key, auto& value) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
+            const json& r = j.at(key);
+            for_each_rope_scaling_field([&](const char* k, auto& v) { field_from(r.at(k), &v); },
+                                        value);
+          } else {
+            field_from(j.at(key), &value);
+          }
+        },
+        s);
     s.validate();  // bounds layers, KV heads and head dim (load sizes buffers from them)
     KVB_CHECK(s.fingerprint() == j.at("fingerprint").get<std::string>(),
               "fingerprint does not match the fields");
@@ -115,7 +129,7 @@ Hash128 content_checksum(const std::map<std::string, std::string>& meta,
   detail::Xxh3Stream h;
   auto u64 = [&](uint64_t v) {
     unsigned char b[8];
-    for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
+    detail::store_le64(b, v);
     h.update(b, 8);
   };
   auto bytes = [&](const void* data, size_t n) {

@@ -1,5 +1,5 @@
-// Internal numeric helpers of the adapter: element conversion, plane gather/scatter in float32,
-// and RoPE. The one dtype dispatch of the conversion path lives in load_plane / store_plane.
+// Internal numeric helpers of the adapter: RoPE and position checks. Element conversion and the
+// float32 plane gather/scatter (the one dtype dispatch) are core's, src/core/dtype_convert.h.
 #pragma once
 
 #include <cstdint>
@@ -8,22 +8,9 @@
 #include "kvbridge/error.h"
 #include "kvbridge/kv_view.h"
 #include "kvbridge/model_spec.h"
+#include "src/core/dtype_convert.h"
 
 namespace kvbridge::detail {
-
-float bf16_to_float(uint16_t bits) noexcept;
-uint16_t float_to_bf16(float value) noexcept;  // round to nearest even, NaN stays NaN
-float fp16_to_float(uint16_t bits) noexcept;
-uint16_t float_to_fp16(float value) noexcept;  // round to nearest even, overflow to inf
-
-/// Copies plane [tokens, heads, dim] (any dtype, any strides) into `out`, dense row-major
-/// float32 with row length heads*dim: out[t * ld + h * dim + d], ld >= heads*dim.
-/// rows: nullptr, or the plane's token to read for each output row t (rows[t]; a gather).
-void load_plane(const KVPlane& plane, DType dtype, int64_t tokens, int64_t heads, int64_t dim,
-                float* out, int64_t ld, const int64_t* rows = nullptr);
-/// The inverse of load_plane: rounds `in` to `dtype` and writes the strided plane.
-void store_plane(const float* in, int64_t ld, DType dtype, int64_t tokens, int64_t heads,
-                 int64_t dim, const KVPlane& plane);
 
 /// Inverse frequencies (head_dim / 2 of them) after the spec's rope_scaling, in float64.
 std::vector<double> rope_inv_freq(const ModelSpec& spec);

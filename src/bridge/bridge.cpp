@@ -14,6 +14,7 @@
 
 #include "kvbridge/align.h"
 #include "kvbridge/error.h"
+#include "src/core/prometheus.h"
 
 namespace kvbridge {
 
@@ -585,100 +586,26 @@ BridgeStats Bridge::stats() const {
 
 namespace {
 
-// Label values in the text format: backslash, double quote and newline escaped.
-std::string label_value(const std::string& v) {
-  std::string out;
-  for (char c : v) {
-    if (c == '\\' || c == '"') out += '\\';
-    if (c == '\n') {
-      out += "\\n";
-      continue;
-    }
-    out += c;
-  }
-  return out;
-}
-
 }  // namespace
 
 std::string Bridge::prometheus_text() const {
-  const BridgeStats s = stats();
+  const BridgeStats from = stats();
   const std::vector<AdapterHealth> health = adapter_health();
-  std::string out;
-  // One family: its HELP and TYPE lines, then one sample per (labels, value); labels may be "".
-  auto samples = [&out](const char* name, const char* type, const char* help,
-                        const std::vector<std::pair<std::string, double>>& values) {
-    out += std::string("# HELP kvbridge_bridge_") + name + " " + help + "\n";
-    out += std::string("# TYPE kvbridge_bridge_") + name + " " + type + "\n";
-    for (const auto& [labels, value] : values) {
-      char number[64];
-      if (std::isnan(value)) {
-        std::snprintf(number, sizeof number, "NaN");
-      } else {
-        std::snprintf(number, sizeof number, "%.17g", value);
-      }
-      out += std::string("kvbridge_bridge_") + name + labels + " " + number + "\n";
-    }
-  };
-  auto family = [&](const char* name, const char* type, const char* help, double value) {
-    samples(name, type, help, {{"", value}});
-  };
-  auto counter = [&](const char* name, const char* help, double v) {
-    family(name, "counter", help, v);
-  };
-  auto d = [](int64_t v) { return static_cast<double>(v); };
-  counter("saves_total", "Bridge save calls.", d(s.saves));
-  counter("loads_total", "Bridge load calls.", d(s.loads));
-  counter("native_hits_total", "Loads served from the target model's own cache only.",
-          d(s.native_hits));
-  counter("converted_hits_total", "Loads that used a prefix converted from another model.",
-          d(s.converted_hits));
-  counter("misses_total", "Loads that returned nothing.", d(s.misses));
-  counter("conversions_total", "Adapter conversions run.", d(s.conversions));
-  counter("native_tokens_total", "Tokens returned from the target model's own cache.",
-          d(s.native_tokens));
-  counter("converted_tokens_total", "Tokens converted through adapters.", d(s.converted_tokens));
-  counter("written_back_tokens_total",
-          "Tokens past the native prefix cached by writing converted prefixes back.",
-          d(s.written_back_tokens));
-  counter("adapters_skipped_quality_total",
-          "Adapters to a load's target passed over for quality under min_quality.",
-          d(s.adapters_skipped_quality));
-  counter("adapters_skipped_stale_total",
-          "Adapters whose target has a load's model name but another fingerprint.",
-          d(s.adapters_skipped_stale));
-  counter("cross_tokenizer_loads_total", "Loads given the prompt's text tokenization.",
-          d(s.cross_tokenizer_loads));
-  counter("unverified_tokens_total",
-          "Prompt tokens past the part whose decode and re-encode round trip held.",
-          d(s.unverified_tokens));
-  counter("aligned_hits_total", "Loads that used a prefix converted across tokenizers.",
-          d(s.aligned_hits));
-  counter("lookup_seconds_total", "Seconds spent in store lookups and copies out of the store.",
-          s.lookup_seconds);
-  counter("convert_seconds_total", "Seconds spent converting through adapters.",
-          s.convert_seconds);
-  family("adapters", "gauge", "Adapters registered.", d(s.adapters));
-  family("adapters_below_quality", "gauge", "Registered adapters under min_quality (never used).",
-         d(s.adapters_below_quality));
-  counter("adapters_skipped_disabled_total",
-          "Adapters to a load's target passed over because they are disabled.",
-          d(s.adapters_skipped_disabled));
-  counter("quality_checks_total", "Quality checks recorded.", d(s.quality_checks));
-  counter("quality_disables_total", "Adapters disabled by the agreement floor.",
-          d(s.quality_disables));
-  family("adapters_disabled", "gauge", "Registered adapters disabled now.",
-         d(s.adapters_disabled));
+  detail::PrometheusText out("kvbridge_bridge_");
+#define KVBRIDGE_ROW_(type, member, metric, kind, help) \
+  detail::emit_row(out, metric, #kind, help, static_cast<double>(from.member));
+  KVBRIDGE_BRIDGE_STATS(KVBRIDGE_ROW_)
+#undef KVBRIDGE_ROW_
   // Per adapter, labelled by fingerprint and model names.
   auto per_adapter = [&](const char* name, const char* type, const char* help,
                          double (*value)(const AdapterHealth&)) {
-    std::vector<std::pair<std::string, double>> values;
+    out.family(name, type, help);
     for (const AdapterHealth& a : health)
-      values.emplace_back("{adapter=\"" + label_value(a.adapter) + "\",source=\"" +
-                              label_value(a.source) + "\",target=\"" + label_value(a.target) +
-                              "\"}",
-                          value(a));
-    samples(name, type, help, values);
+      out.sample(name,
+                 "adapter=\"" + detail::label_value(a.adapter) + "\",source=\"" +
+                     detail::label_value(a.source) + "\",target=\"" +
+                     detail::label_value(a.target) + "\"",
+                 value(a));
   };
   per_adapter("adapter_enabled", "gauge", "1 if the adapter is enabled, 0 if disabled.",
               [](const AdapterHealth& a) { return a.enabled ? 1.0 : 0.0; });
@@ -698,7 +625,7 @@ std::string Bridge::prometheus_text() const {
   per_adapter("adapter_disables_total", "counter",
               "Times the adapter was disabled by the agreement floor.",
               [](const AdapterHealth& a) { return static_cast<double>(a.disables); });
-  return out;
+  return out.text();
 }
 
 }  // namespace kvbridge

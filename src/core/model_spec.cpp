@@ -2,9 +2,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <type_traits>
 
 #include "kvbridge/error.h"
-#include "kvbridge/prefix_hash.h"
+#include "src/core/byte_order.h"
 #include "src/core/xxh3.h"
 
 namespace kvbridge {
@@ -19,7 +20,9 @@ std::string format_double(double v) {
 // Length-prefixed key/value pairs: nothing a field holds can make two specs encode alike.
 void append_field(std::string& out, const std::string& key, const std::string& value) {
   auto append_u32 = [&out](uint32_t n) {
-    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+    unsigned char le[4];
+    detail::store_le32(le, n);
+    out.append(reinterpret_cast<const char*>(le), 4);
   };
   append_u32(static_cast<uint32_t>(key.size()));
   out += key;
@@ -27,11 +30,21 @@ void append_field(std::string& out, const std::string& key, const std::string& v
   out += value;
 }
 
+// A field's text in the fingerprint encoding.
+std::string field_text(const std::string& v) { return v; }
+std::string field_text(int64_t v) { return std::to_string(v); }
+std::string field_text(double v) { return format_double(v); }
+std::string field_text(DType v) { return dtype_name(v); }
+std::string field_text(RopeStyle v) { return rope_style_name(v); }
+std::string field_text(RopeScaling::Type v) { return rope_scaling_type_name(v); }
+
 }  // namespace
 
 bool RopeScaling::operator==(const RopeScaling& o) const noexcept {
-  return type == o.type && factor == o.factor && low_freq_factor == o.low_freq_factor &&
-         high_freq_factor == o.high_freq_factor && original_max_position == o.original_max_position;
+  bool same = true;
+  for_each_rope_scaling_field([&](const char*, const auto& a, const auto& b) { same &= a == b; },
+                              *this, o);
+  return same;
 }
 
 const char* rope_scaling_type_name(RopeScaling::Type type) noexcept {
@@ -96,22 +109,20 @@ void ModelSpec::validate() const {
 
 std::string ModelSpec::fingerprint() const {
   std::string enc = "kvbridge.ModelSpec.v1";
-  append_field(enc, "name", name);
-  append_field(enc, "version", version);
-  append_field(enc, "tokenizer", tokenizer);
-  append_field(enc, "num_layers", std::to_string(num_layers));
-  append_field(enc, "num_kv_heads", std::to_string(num_kv_heads));
-  append_field(enc, "head_dim", std::to_string(head_dim));
-  append_field(enc, "dtype", dtype_name(dtype));
-  append_field(enc, "rope_base", format_double(rope_base));
-  append_field(enc, "rope_style", rope_style_name(rope_style));
-  append_field(enc, "rope_scaling.type", rope_scaling_type_name(rope_scaling.type));
-  append_field(enc, "rope_scaling.factor", format_double(rope_scaling.factor));
-  append_field(enc, "rope_scaling.low_freq_factor", format_double(rope_scaling.low_freq_factor));
-  append_field(enc, "rope_scaling.high_freq_factor",
-               format_double(rope_scaling.high_freq_factor));
-  append_field(enc, "rope_scaling.original_max_position",
-               std::to_string(rope_scaling.original_max_position));
+  for_each_spec_field(
+      [&](const char* key, const auto& value) {
+        using T = std::decay_t<decltype(value)>;
+        if constexpr (std::is_same_v<T, RopeScaling>) {
+          for_each_rope_scaling_field(
+              [&](const char* sub, const auto& v) {
+                append_field(enc, std::string("rope_scaling.") + sub, field_text(v));
+              },
+              value);
+        } else {
+          append_field(enc, key, field_text(value));
+        }
+      },
+      *this);
   return detail::xxh3_128(enc.data(), enc.size()).hex();
 }
 
@@ -120,10 +131,10 @@ int64_t ModelSpec::kv_bytes_per_token() const noexcept {
 }
 
 bool ModelSpec::operator==(const ModelSpec& o) const noexcept {
-  return name == o.name && version == o.version && tokenizer == o.tokenizer &&
-         num_layers == o.num_layers && num_kv_heads == o.num_kv_heads && head_dim == o.head_dim &&
-         dtype == o.dtype && rope_base == o.rope_base && rope_style == o.rope_style &&
-         rope_scaling == o.rope_scaling;
+  bool same = true;
+  for_each_spec_field([&](const char*, const auto& a, const auto& b) { same &= a == b; }, *this,
+                      o);
+  return same;
 }
 
 }  // namespace kvbridge

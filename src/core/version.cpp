@@ -1,4 +1,4 @@
-#include "kvbridge/kvbridge.h"
+#include "kvbridge/version.h"
 
 #ifndef KVBRIDGE_VERSION_STRING
 #error "KVBRIDGE_VERSION_STRING is set by CMake"

@@ -4,7 +4,7 @@
 
 #include <cstddef>
 
-#include "kvbridge/prefix_hash.h"
+#include "kvbridge/hash128.h"
 
 namespace kvbridge::detail {
 Hash128 xxh3_128(const void* data, size_t size) noexcept;

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvbridge/prefix_hash.h"
+#include "kvbridge/hash128.h"
 
 namespace kvbridge::detail {
 struct Xxh3Impl {

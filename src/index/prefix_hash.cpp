@@ -5,26 +5,16 @@
 #include <string>
 
 #include "kvbridge/error.h"
+#include "src/core/byte_order.h"
 #include "src/core/xxh3.h"
 #include "src/index/token_ids.h"
 
 namespace kvbridge {
 namespace {
 
-void put_u32le(unsigned char* out, uint32_t v) {
-  out[0] = static_cast<unsigned char>(v);
-  out[1] = static_cast<unsigned char>(v >> 8);
-  out[2] = static_cast<unsigned char>(v >> 16);
-  out[3] = static_cast<unsigned char>(v >> 24);
-}
-
-void put_u64le(unsigned char* out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<unsigned char>(v >> (8 * i));
-}
-
 void append_prefixed(std::string& out, std::string_view s) {
   unsigned char len[4];
-  put_u32le(len, static_cast<uint32_t>(s.size()));
+  detail::store_le32(len, static_cast<uint32_t>(s.size()));
   out.append(reinterpret_cast<const char*>(len), 4);
   out.append(s.data(), s.size());
 }
@@ -37,16 +27,6 @@ constexpr bool kLittleEndianHost = false;
 #endif
 
 }  // namespace
-
-std::string Hash128::hex() const {
-  static const char* digits = "0123456789abcdef";
-  std::string s(32, '0');
-  for (int i = 0; i < 16; ++i) {
-    s[15 - i] = digits[(high >> (4 * i)) & 0xf];
-    s[31 - i] = digits[(low >> (4 * i)) & 0xf];
-  }
-  return s;
-}
 
 namespace {
 
@@ -119,12 +99,11 @@ Hash128 chain_hash(const Hash128& previous, const uint32_t* chunk, int64_t count
     heap_buf.resize(static_cast<size_t>(16 + 4 * count));
     buf = reinterpret_cast<unsigned char*>(heap_buf.data());
   }
-  put_u64le(buf, previous.low);
-  put_u64le(buf + 8, previous.high);
+  detail::store_hash(buf, previous);
   if constexpr (kLittleEndianHost) {
     std::memcpy(buf + 16, chunk, static_cast<size_t>(4 * count));
   } else {
-    for (int64_t i = 0; i < count; ++i) put_u32le(buf + 16 + 4 * i, chunk[i]);
+    for (int64_t i = 0; i < count; ++i) detail::store_le32(buf + 16 + 4 * i, chunk[i]);
   }
   return detail::xxh3_128(buf, static_cast<size_t>(16 + 4 * count));
 }

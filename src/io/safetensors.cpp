@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "kvbridge/error.h"
+#include "src/core/byte_order.h"
 #include "src/core/path_check.h"
 
 namespace kvbridge::io {
@@ -156,10 +157,6 @@ StTensor parse_tensor_entry(const std::string& name, const json& entry, uint64_t
   return t;
 }
 
-void put_u64_le(uint64_t v, unsigned char* out) {
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<unsigned char>(v >> (8 * i));
-}
-
 /// Writes all of [data, data + size) to `fd`; false (errno set) on failure.
 bool write_all(int fd, const unsigned char* data, size_t size) {
   while (size > 0) {
@@ -225,8 +222,7 @@ StFile parse_safetensors(const unsigned char* data, size_t size) {
   KVB_CHECK_AS(Corrupt, size >= 8,
                "safetensors: file is " << size
                                        << " bytes, shorter than the 8-byte header length field");
-  uint64_t header_len = 0;
-  for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(data[i]) << (8 * i);
+  const uint64_t header_len = detail::load_le64(data);
   KVB_CHECK_AS(Corrupt, header_len <= kMaxHeaderBytes,
                "safetensors: header length " << header_len << " exceeds the limit of "
                                              << kMaxHeaderBytes << " bytes");
@@ -418,7 +414,7 @@ void write_safetensors(const std::string& path, const std::vector<StTensor>& ten
                  "write_safetensors: cannot " << what << " '" << tmp << "': " << errno_text(err));
   };
   unsigned char len[8];
-  put_u64_le(text.size(), len);
+  detail::store_le64(len, text.size());
   if (!write_all(fd, len, sizeof(len)) ||
       !write_all(fd, reinterpret_cast<const unsigned char*>(text.data()), text.size()))
     fail("write");

@@ -745,11 +745,15 @@ LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, LoadedMeta* 
   }
   const std::string path = m.path_of(want.key, want.fingerprint);
   ino_t ino = 0;
+  // A miss verify_entry counted, and the index's and the file's fate.
+  auto forget = [&](Impl::Drop how) {
+    m.forget(want.key, want.fingerprint, gen, how, ino);
+    return LoadResult::kMiss;
+  };
   auto miss = [&](std::atomic<int64_t>* reason, Impl::Drop how) {
     if (reason) TierCounters::add(*reason);
     TierCounters::add(c.misses);
-    m.forget(want.key, want.fingerprint, gen, how, ino);
-    return LoadResult::kMiss;
+    return forget(how);
   };
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -776,44 +780,21 @@ LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, LoadedMeta* 
   if (total < prefix_bytes || !read_full(fd, prefix.data(), prefix_bytes))
     return total < prefix_bytes || !errno ? miss(&c.corrupt, Impl::Drop::kQuarantine)
                                           : miss(&c.errors, Impl::Drop::kDelete);
+  // The payload in blocks, the last one together with the trailer.
+  auto read_block = [fd](char* dst, size_t, size_t len, unsigned char* trailer) {
+    if (!trailer) return read_full(fd, dst, len);
+    iovec iov[2] = {{dst, len}, {trailer, kEntryTrailerBytes}};
+    return readv_full(fd, iov, 2);
+  };
+  errno = 0;
   EntryHeader h;
-  try {
-    h = decode_entry_header(prefix.data(), total);
-  } catch (const Corrupt&) {
-    return miss(&c.corrupt, Impl::Drop::kQuarantine);
-  }
-  if (!header_fits(h, want)) return miss(&c.corrupt, Impl::Drop::kQuarantine);
-
-  Xxh3Stream hash;
-  hash.update(prefix.data(), prefix_bytes);
-  unsigned char trailer[kEntryTrailerBytes];
-  const size_t n = static_cast<size_t>(h.payload_bytes);
-  bool ok = true;
-  for (size_t off = 0; ok && off < n; off += kReadBlock) {
-    const size_t len = std::min(kReadBlock, n - off);
-    if (off + len < n) {
-      ok = read_full(fd, payload + off, len);
-    } else {
-      iovec iov[2] = {{payload + off, len}, {trailer, sizeof trailer}};
-      ok = readv_full(fd, iov, 2);
-    }
-    if (ok) hash.update(payload + off, len);
-  }
-  if (!ok)
+  const EntryCheck r = verify_entry(prefix.data(), total, want, read_block, payload, &h);
+  if (r == EntryCheck::kUnreadable)
     return errno ? miss(&c.errors, Impl::Drop::kDelete) : miss(&c.corrupt, Impl::Drop::kQuarantine);
-  if (hash.digest() != decode_trailer(trailer)) return miss(&c.corrupt, Impl::Drop::kQuarantine);
-  std::vector<uint32_t> tokens(static_cast<size_t>(h.chunk));
-  std::memcpy(tokens.data(), prefix.data() + kEntryHeaderBytes, 4 * tokens.size());
-  // Token ids were read as raw little-endian bytes.
-  if constexpr (__BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__) {
-    for (auto& t : tokens) t = __builtin_bswap32(t);
-  }
-  if (is_expired(h.created_ms, want)) return miss(&c.expired, Impl::Drop::kDelete);
-  TierCounters::add(c.bytes_read, static_cast<int64_t>(total));
-  if (!same_chunk(h, tokens.data(), want)) {
-    TierCounters::add(c.misses);
-    return LoadResult::kCollision;
-  }
+  const LoadResult result = count_check(r, total, c);
+  if (r == EntryCheck::kCorrupt) return forget(Impl::Drop::kQuarantine);
+  if (r == EntryCheck::kExpired) return forget(Impl::Drop::kDelete);
+  if (result == LoadResult::kCollision) return result;
   {
     std::lock_guard<std::mutex> lock(m.mu);
     auto it = m.index.find(want.key);

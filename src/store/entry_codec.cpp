@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "kvbridge/error.h"
+#include "src/core/byte_order.h"
 #include "src/core/xxh3.h"
 #include "src/store/int8_codec.h"
 
@@ -12,28 +13,6 @@ namespace kvbridge::detail {
 namespace {
 
 constexpr char kMagic[8] = {'K', 'V', 'B', 'E', 'N', 'T', 'R', 'Y'};
-
-void put_u32(unsigned char* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
-}
-void put_u64(unsigned char* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
-}
-uint32_t get_u32(const unsigned char* p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-uint64_t get_u64(const unsigned char* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-void put_hash(unsigned char* p, const Hash128& h) {
-  put_u64(p, h.low);
-  put_u64(p + 8, h.high);
-}
-Hash128 get_hash(const unsigned char* p) { return Hash128{get_u64(p), get_u64(p + 8)}; }
 
 bool is_hex_digit(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); }
 
@@ -81,26 +60,26 @@ int64_t stored_payload_bytes(StorageFormat storage, DType dtype, int64_t layers,
 void encode_entry_prefix(const EntryHeader& h, const uint32_t* tokens, unsigned char* out) {
   std::memset(out, 0, kEntryHeaderBytes);
   std::memcpy(out, kMagic, 8);
-  put_u32(out + 8, kEntryFormatVersion);
-  put_u32(out + 12, static_cast<uint32_t>(kEntryHeaderBytes));
-  put_u32(out + 16, static_cast<uint32_t>(h.dtype));
-  put_u32(out + 20, static_cast<uint32_t>(h.storage));
-  put_u64(out + 24, static_cast<uint64_t>(h.layers));
-  put_u64(out + 32, static_cast<uint64_t>(h.chunk));
-  put_u64(out + 40, static_cast<uint64_t>(h.kv_heads));
-  put_u64(out + 48, static_cast<uint64_t>(h.head_dim));
-  put_u64(out + 56, static_cast<uint64_t>(h.payload_bytes));
-  put_u64(out + 64, static_cast<uint64_t>(h.created_ms));
-  put_hash(out + 72, h.key);
-  put_hash(out + 88, h.parent);
-  put_hash(out + 104, h.salt);
+  store_le32(out + 8, kEntryFormatVersion);
+  store_le32(out + 12, static_cast<uint32_t>(kEntryHeaderBytes));
+  store_le32(out + 16, static_cast<uint32_t>(h.dtype));
+  store_le32(out + 20, static_cast<uint32_t>(h.storage));
+  store_le64(out + 24, static_cast<uint64_t>(h.layers));
+  store_le64(out + 32, static_cast<uint64_t>(h.chunk));
+  store_le64(out + 40, static_cast<uint64_t>(h.kv_heads));
+  store_le64(out + 48, static_cast<uint64_t>(h.head_dim));
+  store_le64(out + 56, static_cast<uint64_t>(h.payload_bytes));
+  store_le64(out + 64, static_cast<uint64_t>(h.created_ms));
+  store_hash(out + 72, h.key);
+  store_hash(out + 88, h.parent);
+  store_hash(out + 104, h.salt);
   std::memcpy(out + 120, h.fingerprint.data(), 32);
   if (h.provenance.converted()) {
     std::memcpy(out + kEntrySourceOffset, h.provenance.source.data(), 32);
     std::memcpy(out + kEntryAdapterOffset, h.provenance.adapter.data(), 32);
   }
   unsigned char* t = out + kEntryHeaderBytes;
-  for (int64_t i = 0; i < h.chunk; ++i) put_u32(t + 4 * i, tokens[i]);
+  for (int64_t i = 0; i < h.chunk; ++i) store_le32(t + 4 * i, tokens[i]);
 }
 
 Hash128 entry_checksum(const unsigned char* prefix, size_t prefix_bytes, const void* payload,
@@ -112,24 +91,24 @@ Hash128 entry_checksum(const unsigned char* prefix, size_t prefix_bytes, const v
 }
 
 void encode_trailer(const Hash128& checksum, unsigned char out[kEntryTrailerBytes]) {
-  put_hash(out, checksum);
+  store_hash(out, checksum);
 }
 
-Hash128 decode_trailer(const unsigned char in[kEntryTrailerBytes]) { return get_hash(in); }
+Hash128 decode_trailer(const unsigned char in[kEntryTrailerBytes]) { return load_hash(in); }
 
 EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
   KVB_CHECK_AS(Corrupt, total_bytes >= kEntryHeaderBytes + kEntryTrailerBytes,
                "entry: " << total_bytes << " bytes is shorter than a header and trailer");
   KVB_CHECK_AS(Corrupt, std::memcmp(in, kMagic, 8) == 0, "entry: bad magic");
-  const uint32_t version = get_u32(in + 8);
+  const uint32_t version = load_le32(in + 8);
   KVB_CHECK_AS(Corrupt, version == kEntryFormatVersion,
                "entry: format version " << version << ", expected " << kEntryFormatVersion);
-  KVB_CHECK_AS(Corrupt, get_u32(in + 12) == kEntryHeaderBytes,
-               "entry: header size " << get_u32(in + 12));
-  const uint32_t dtype = get_u32(in + 16);
+  KVB_CHECK_AS(Corrupt, load_le32(in + 12) == kEntryHeaderBytes,
+               "entry: header size " << load_le32(in + 12));
+  const uint32_t dtype = load_le32(in + 16);
   KVB_CHECK_AS(Corrupt, dtype <= static_cast<uint32_t>(DType::kFloat16),
                "entry: unknown dtype code " << dtype);
-  const uint32_t storage = get_u32(in + 20);
+  const uint32_t storage = load_le32(in + 20);
   KVB_CHECK_AS(Corrupt, storage <= static_cast<uint32_t>(StorageFormat::kInt8),
                "entry: unknown storage format " << storage);
   for (size_t off = kEntryAdapterOffset + 32; off < kEntryHeaderBytes; ++off)
@@ -139,7 +118,7 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
   h.storage = static_cast<StorageFormat>(storage);
   int64_t* dims[] = {&h.layers, &h.chunk, &h.kv_heads, &h.head_dim};
   for (int i = 0; i < 4; ++i) {
-    const uint64_t v = get_u64(in + 24 + 8 * i);
+    const uint64_t v = load_le64(in + 24 + 8 * i);
     KVB_CHECK_AS(Corrupt, v >= 1 && v <= static_cast<uint64_t>(kEntryMaxDim),
                  "entry: dimension " << i << " is " << v);
     *dims[i] = static_cast<int64_t>(v);
@@ -147,7 +126,7 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
   const int64_t elements =
       stored_payload_bytes(h.storage, h.dtype, h.layers, h.chunk, h.kv_heads, h.head_dim);
   KVB_CHECK_AS(Corrupt, elements > 0, "entry: payload size overflows");
-  const uint64_t payload = get_u64(in + 56);
+  const uint64_t payload = load_le64(in + 56);
   KVB_CHECK_AS(Corrupt, payload == static_cast<uint64_t>(elements),
                "entry: payload size " << payload << " does not match its geometry (" << elements
                                       << ")");
@@ -156,10 +135,10 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
       kEntryHeaderBytes + 4 * static_cast<uint64_t>(h.chunk) + payload + kEntryTrailerBytes;
   KVB_CHECK_AS(Corrupt, expect_total == total_bytes,
                "entry: " << total_bytes << " bytes, its header describes " << expect_total);
-  h.created_ms = static_cast<int64_t>(get_u64(in + 64));
-  h.key = get_hash(in + 72);
-  h.parent = get_hash(in + 88);
-  h.salt = get_hash(in + 104);
+  h.created_ms = static_cast<int64_t>(load_le64(in + 64));
+  h.key = load_hash(in + 72);
+  h.parent = load_hash(in + 88);
+  h.salt = load_hash(in + 104);
   std::memcpy(h.fingerprint.data(), in + 120, 32);
   for (char c : h.fingerprint) KVB_CHECK_AS(Corrupt, is_hex_digit(c), "entry: bad fingerprint");
   // Provenance: both fields zero (the model's own KV) or both fingerprints.
@@ -174,6 +153,52 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
       KVB_CHECK_AS(Corrupt, is_hex_digit(c), "entry: bad provenance adapter fingerprint");
   }
   return h;
+}
+
+namespace {
+
+bool header_fits(const EntryHeader& h, const ExpectedEntry& want) {
+  return h.key == want.key && h.fingerprint == want.fingerprint && h.dtype == want.dtype &&
+         h.storage == want.storage && h.layers == want.layers && h.chunk == want.chunk &&
+         h.kv_heads == want.kv_heads && h.head_dim == want.head_dim &&
+         h.payload_bytes == want.payload_bytes;
+}
+
+bool same_chunk(const EntryHeader& h, const unsigned char* tokens, const ExpectedEntry& want) {
+  if (h.salt != want.salt || h.parent != want.parent) return false;
+  for (int64_t i = 0; i < want.chunk; ++i)
+    if (load_le32(tokens + 4 * i) != want.tokens[i]) return false;
+  return true;
+}
+
+constexpr size_t kVerifyBlock = size_t{256} << 10;  // hashed while still in cache
+
+}  // namespace
+
+EntryCheck verify_entry(const unsigned char* prefix, size_t total_bytes, const ExpectedEntry& want,
+                        const EntryPayloadReader& read, char* payload, EntryHeader* header) {
+  EntryHeader& h = *header;
+  try {
+    h = decode_entry_header(prefix, total_bytes);
+  } catch (const Corrupt&) {
+    return EntryCheck::kCorrupt;
+  }
+  if (!header_fits(h, want)) return EntryCheck::kCorrupt;
+  const size_t prefix_bytes = entry_prefix_bytes(h.chunk);
+  Xxh3Stream hash;
+  hash.update(prefix, prefix_bytes);
+  unsigned char trailer[kEntryTrailerBytes];
+  const size_t n = static_cast<size_t>(h.payload_bytes);
+  for (size_t off = 0; off < n; off += kVerifyBlock) {
+    const size_t len = std::min(kVerifyBlock, n - off);
+    if (!read(payload + off, off, len, off + len < n ? nullptr : trailer))
+      return EntryCheck::kUnreadable;
+    hash.update(payload + off, len);
+  }
+  if (hash.digest() != load_hash(trailer)) return EntryCheck::kCorrupt;
+  if (want.ttl_ms > 0 && want.now_ms - h.created_ms >= want.ttl_ms) return EntryCheck::kExpired;
+  if (!same_chunk(h, prefix + kEntryHeaderBytes, want)) return EntryCheck::kOtherChunk;
+  return EntryCheck::kValid;
 }
 
 }  // namespace kvbridge::detail

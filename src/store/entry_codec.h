@@ -12,6 +12,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "kvbridge/dtype.h"
@@ -93,5 +94,43 @@ Hash128 decode_trailer(const unsigned char in[kEntryTrailerBytes]);
 /// describe an entry of exactly `total_bytes` (the file or value size). Throws Corrupt saying
 /// what is wrong.
 EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes);
+
+/// The entry a lookup accepts: everything a stored entry must agree with.
+struct ExpectedEntry {
+  Hash128 key, parent, salt;
+  Fingerprint fingerprint{};
+  DType dtype = DType::kFloat32;
+  StorageFormat storage = StorageFormat::kNative;
+  int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
+  int64_t payload_bytes = 0;  // stored bytes (stored_payload_bytes)
+  const uint32_t* tokens = nullptr;  // chunk ids
+  int64_t now_ms = 0;
+  int64_t ttl_ms = 0;  // 0: no expiry
+};
+
+/// What verify_entry found, in the order it checks.
+enum class EntryCheck {
+  kValid,       // the chunk the lookup asks for; payload filled
+  kUnreadable,  // the reader failed (an I/O error, or the value ended early)
+  kCorrupt,     // header, size, key, identity, geometry or checksum wrong
+  kExpired,     // past the lookup's TTL (by the header's creation time)
+  kOtherChunk,  // a valid entry of this key, but of other tokens / parent / salt: a collision
+};
+
+/// Copies payload bytes [offset, offset + len) into `dst` and, with the last block, the 16
+/// trailer bytes into `trailer` (null for every other block). False: the bytes cannot be read.
+using EntryPayloadReader =
+    std::function<bool(char* dst, size_t offset, size_t len, unsigned char* trailer)>;
+
+/// The one verification of a packed entry, shared by every tier (docs/storage.md, "The packed
+/// entry"): the header's structure and that it describes exactly `total_bytes`, key,
+/// fingerprint, storage and geometry against `want`; then the payload is read through `read` in
+/// 256 KiB blocks into `payload` (want.payload_bytes bytes, caller-owned), each hashed right
+/// after it arrives, and the checksum compared; then the TTL; then tokens, parent and salt.
+/// `prefix` holds the entry's first entry_prefix_bytes(want.chunk) bytes (header and token
+/// ids; total_bytes must be at least that). *header is set once the header decoded (from
+/// kExpired on, it is the verified header). Never throws.
+EntryCheck verify_entry(const unsigned char* prefix, size_t total_bytes, const ExpectedEntry& want,
+                        const EntryPayloadReader& read, char* payload, EntryHeader* header);
 
 }  // namespace kvbridge::detail

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kvbridge/error.h"
-#include "src/adapter/numeric.h"
+#include "src/core/dtype_convert.h"
 
 namespace kvbridge::detail {
 namespace {

@@ -1,201 +1,33 @@
 #include "kvbridge/kv_store.h"
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
-#include <cstring>
+#include <cstdio>
 #include <deque>
-#include <mutex>
-#include <sstream>
 #include <utility>
 
 #include "kvbridge/error.h"
+#include "src/core/byte_order.h"
 #include "src/core/path_check.h"
+#include "src/core/prometheus.h"
 #include "src/core/xxh3.h"
-#include "src/index/chunk_table.h"
 #include "src/index/token_ids.h"
 #include "src/store/disk_tier.h"
 #include "src/store/entry_codec.h"
-#include "src/store/eviction_order.h"
-#include "src/store/int8_codec.h"
+#include "src/store/memory_tier.h"
 #include "src/store/redis_tier.h"
 #include "src/store/tier.h"
 
 namespace kvbridge {
-namespace detail {
-
-// Bytes accounted against the budget. Shared by the store and every entry, so an entry that
-// outlives the store (held by a Match) still releases what it reserved.
-struct Accountant {
-  explicit Accountant(int64_t cap) : capacity(cap) {}
-  const int64_t capacity;
-  std::atomic<int64_t> used{0};
-  std::atomic<int64_t> peak{0};
-
-  bool try_reserve(int64_t n) {
-    int64_t cur = used.load(std::memory_order_relaxed);
-    do {
-      if (cur + n > capacity) return false;
-    } while (!used.compare_exchange_weak(cur, cur + n, std::memory_order_acq_rel));
-    int64_t p = peak.load(std::memory_order_relaxed);
-    while (cur + n > p && !peak.compare_exchange_weak(p, cur + n, std::memory_order_relaxed)) {
-    }
-    return true;
-  }
-  void release(int64_t n) { used.fetch_sub(n, std::memory_order_acq_rel); }
-
-  // Freed payloads of 1 MiB and more are kept, still accounted, for the next entry of the same
-  // size (all entries of one spec are): fresh memory costs a page fault per 4 KiB on its first
-  // write, which made large puts several times slower than the copy.
-  static constexpr size_t kMinRecycled = size_t{1} << 20;
-  static constexpr size_t kMaxRecycled = 4;
-  std::mutex pool_mu;
-  std::vector<std::pair<size_t, char*>> pool;  // (allocation size, buffer)
-  std::atomic<int64_t> pooled{0};
-
-  ~Accountant() {
-    for (auto& p : pool) std::free(p.second);
-  }
-  // Keeps `buf` when there is room (its bytes stay accounted); false: the caller frees it.
-  bool recycle(char* buf, size_t size) {
-    if (size < kMinRecycled) return false;
-    std::lock_guard<std::mutex> lock(pool_mu);
-    if (pool.size() >= kMaxRecycled) return false;
-    pool.emplace_back(size, buf);
-    pooled.fetch_add(static_cast<int64_t>(size), std::memory_order_relaxed);
-    return true;
-  }
-  // A kept buffer of exactly `size` bytes, its bytes released, or nullptr.
-  char* take(size_t size) {
-    char* buf = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(pool_mu);
-      for (size_t i = 0; i < pool.size(); ++i) {
-        if (pool[i].first == size) {
-          buf = pool[i].second;
-          pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
-          break;
-        }
-      }
-    }
-    if (buf) {
-      pooled.fetch_sub(static_cast<int64_t>(size), std::memory_order_relaxed);
-      release(static_cast<int64_t>(size));
-    }
-    return buf;
-  }
-  // Frees one kept buffer to make room; false if there is none.
-  bool drop_one() {
-    std::pair<size_t, char*> victim{0, nullptr};
-    {
-      std::lock_guard<std::mutex> lock(pool_mu);
-      if (pool.empty()) return false;
-      victim = pool.back();
-      pool.pop_back();
-    }
-    std::free(victim.second);
-    pooled.fetch_sub(static_cast<int64_t>(victim.first), std::memory_order_relaxed);
-    release(static_cast<int64_t>(victim.first));
-    return true;
-  }
-};
-
-// Payloads of 32 MiB and more (which glibc always maps fresh, whatever was freed before) are
-// 2 MiB aligned and advised as transparent huge pages: otherwise the first write pays one page
-// fault per 4 KiB, which cost more than the copy itself (64 MiB puts ran at under 30% of memcpy
-// speed). Smaller payloads come from malloc's reused memory. The rounding is accounted.
-constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kHugePayload = size_t{32} << 20;
-
-size_t payload_alignment(size_t payload) { return payload >= kHugePayload ? kHugePage : 64; }
-
-size_t allocation_size(size_t payload) {
-  const size_t a = payload_alignment(payload);
-  return (payload + a - 1) / a * a;
-}
-
-char* allocate_payload(size_t payload) {
-  const size_t size = allocation_size(payload);
-  void* p = std::aligned_alloc(payload_alignment(payload), size);
-  if (!p) throw std::bad_alloc();
-#ifdef MADV_HUGEPAGE
-  if (payload_alignment(payload) == kHugePage) madvise(p, size, MADV_HUGEPAGE);  // a hint only
-#endif
-  return static_cast<char*>(p);
-}
-
-
-struct ChunkEntry {
-  Hash128 salt;
-  Hash128 parent;
-  std::vector<uint32_t> tokens;
-  // Native: [layers, 2, chunk, kv_heads, head_dim], dense; int8: int8_codec.h's layout.
-  // kv_size bytes allocated.
-  char* kv = nullptr;
-  size_t kv_size = 0;
-  size_t payload_bytes = 0;  // the stored bytes (kv_size rounds it up)
-  int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
-  DType dtype = DType::kFloat32;
-  StorageFormat storage = StorageFormat::kNative;
-  Fingerprint fp{};
-  detail::EntryProvenance provenance;  // recorded in the lower tiers' headers too
-  int64_t created_ms = 0;
-  int64_t accounted = 0;
-  std::shared_ptr<Accountant> accountant;
-  // RedisTier::epoch() when this entry was last known to be in Redis (written or read there);
-  // -1: never. A put re-sends the chunk while it differs from the tier's current epoch.
-  mutable std::atomic<int64_t> redis_epoch{-1};
-
-  ChunkEntry() = default;
-  ChunkEntry(const ChunkEntry&) = delete;
-  ChunkEntry& operator=(const ChunkEntry&) = delete;
-  ~ChunkEntry() {
-    if (!accountant) {  // a transient entry of put(), never accounted
-      std::free(kv);
-      return;
-    }
-    int64_t released = accounted;
-    if (kv) {
-      if (accountant->recycle(kv, kv_size)) {
-        released -= static_cast<int64_t>(kv_size);
-      } else {
-        std::free(kv);
-      }
-    }
-    if (released) accountant->release(released);
-  }
-  // The one storage dispatch of put() and of Match's copies.
-  void fill_from(const KVView& src) {
-    if (storage == StorageFormat::kInt8) return quantize_int8(src, kv);
-    copy_kv(src, KVView::contiguous(kv, dtype, Device{}, layers, chunk, kv_heads, head_dim));
-  }
-  // Tokens [begin, begin + dst.tokens()) of this chunk into dst (the entry's geometry, dtype).
-  void copy_tokens_to(int64_t begin, const KVView& dst) const {
-    if (storage == StorageFormat::kInt8) return dequantize_int8(kv, chunk, begin, dst);
-    copy_kv(KVView::contiguous(kv, dtype, Device{}, layers, chunk, kv_heads, head_dim)
-                .slice_tokens(begin, dst.tokens()),
-            dst);
-  }
-  bool same_chunk(const Hash128& s, const Hash128& p, const uint32_t* ids) const {
-    return salt == s && parent == p &&
-           std::memcmp(tokens.data(), ids, 4 * tokens.size()) == 0;
-  }
-};
-
-}  // namespace detail
-
-using detail::allocate_payload;
-using detail::allocation_size;
 using detail::ChunkEntry;
+using detail::ChunkShape;
 using detail::DiskTier;
 using detail::EntryHeader;
-using detail::EvictionOrder;
 using detail::ExpectedEntry;
 using detail::Fingerprint;
 using detail::LoadResult;
+using detail::MemoryTier;
 using detail::RedisTier;
 using detail::TierCounters;
 
@@ -237,30 +69,11 @@ EvictionPolicy parse_eviction_policy(const std::string& name) {
 
 namespace {
 
-struct Slot {
-  std::shared_ptr<ChunkEntry> entry;
-  EvictionOrder::Handle order;
-  explicit operator bool() const noexcept { return entry != nullptr; }  // in use
-};
-
-struct Shard {
-  explicit Shard(EvictionPolicy p) : order(p) {}
-  std::mutex mu;
-  detail::ChunkTable<Slot> map;
-  EvictionOrder order;
-};
-
 int64_t stored_bytes(const ModelSpec& spec, int64_t chunk, StorageFormat storage) {
   const int64_t bytes = detail::stored_payload_bytes(storage, spec.dtype, spec.num_layers, chunk,
                                                      spec.num_kv_heads, spec.head_dim);
   KVB_CHECK(bytes > 0, "spec: a chunk's KV size overflows");
   return bytes;
-}
-
-int64_t entry_bytes(const ModelSpec& spec, int64_t chunk, StorageFormat storage) {
-  const size_t payload = static_cast<size_t>(stored_bytes(spec, chunk, storage));
-  return static_cast<int64_t>(allocation_size(payload)) + 4 * chunk +
-         StoreStats::kEntryOverheadBytes;
 }
 
 int64_t system_clock_ms() {
@@ -273,10 +86,7 @@ int64_t system_clock_ms() {
 struct Call {
   const ModelSpec& spec;
   std::string_view ns;
-  Hash128 salt;
-  Fingerprint fp;
-  int64_t chunk;
-  int64_t payload_bytes;  // stored bytes of one chunk
+  ChunkShape shape;
   int64_t now_ms;
 };
 
@@ -286,10 +96,7 @@ Hash128 store_salt(std::string_view ns, const ModelSpec& spec, StorageFormat sto
   const Hash128 salt = prefix_salt(ns, spec);
   if (storage == StorageFormat::kNative) return salt;
   unsigned char bytes[16];
-  for (int i = 0; i < 8; ++i) {
-    bytes[i] = static_cast<unsigned char>(salt.low >> (8 * i));
-    bytes[8 + i] = static_cast<unsigned char>(salt.high >> (8 * i));
-  }
+  detail::store_hash(bytes, salt);
   detail::Xxh3Stream s;
   s.update(bytes, sizeof bytes);
   s.update("kvbridge-storage-int8", 21);
@@ -329,29 +136,20 @@ Packed pack(const ChunkEntry& e, const Hash128& key) {
 struct KVStore::Impl {
   explicit Impl(const StoreOptions& o)
       : options(o), clock(o.clock_ms ? o.clock_ms : std::function<int64_t()>(system_clock_ms)),
-        ttl_ms(o.ttl_seconds * 1000),
-        accountant(std::make_shared<detail::Accountant>(o.capacity_bytes)) {
-    for (int i = 0; i < o.num_shards; ++i) shards.push_back(std::make_unique<Shard>(o.eviction));
-  }
+        ttl_ms(o.ttl_seconds * 1000), memory(o) {}
 
   StoreOptions options;
   std::function<int64_t()> clock;
   const int64_t ttl_ms;
-  std::shared_ptr<detail::Accountant> accountant;
-  std::vector<std::unique_ptr<Shard>> shards;
-  std::atomic<uint32_t> evict_cursor{0};
+  MemoryTier memory;
   std::unique_ptr<DiskTier> disk;
   std::unique_ptr<RedisTier> redis;
 
-  std::atomic<int64_t> entries{0}, puts{0}, chunks_inserted{0}, chunks_present{0},
-      chunks_rejected{0}, matches{0}, hits{0}, misses{0}, hit_chunks{0}, collisions{0},
-      erased{0}, promotions{0}, promotions_rejected{0};
-  TierCounters memory_counters, disk_counters, redis_counters;
+  KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STATS_ATOMIC_)
+  TierCounters disk_counters, redis_counters;
   detail::RemoteCounters remote_counters;
 
   bool lower_tiers() const { return disk || redis; }
-
-  Shard& shard_for(const Hash128& h) { return *shards[(h.high >> 7) % shards.size()]; }
 
   Call call(const ModelSpec& spec, std::string_view ns) const {
     // The fingerprint formats every field (doubles with %.17g): a few microseconds, worth
@@ -374,192 +172,38 @@ struct KVStore::Impl {
       last.salt = store_salt(ns, spec, options.storage);
       last.valid = true;
     }
-    return Call{spec,
-                ns,
-                last.salt,
-                last.fp,
-                options.chunk_tokens,
-                stored_bytes(spec, options.chunk_tokens, options.storage),
-                clock()};
+    ChunkShape shape;
+    shape.salt = last.salt;
+    shape.fp = last.fp;
+    shape.layers = spec.num_layers;
+    shape.chunk = options.chunk_tokens;
+    shape.kv_heads = spec.num_kv_heads;
+    shape.head_dim = spec.head_dim;
+    shape.dtype = spec.dtype;
+    shape.storage = options.storage;
+    shape.payload_bytes = stored_bytes(spec, options.chunk_tokens, options.storage);
+    return Call{spec, ns, shape, clock()};
   }
 
   ExpectedEntry expected(const Call& c, const Hash128& key, const Hash128& parent,
                          const uint32_t* ids) const {
+    const ChunkShape& shape = c.shape;
     ExpectedEntry w;
     w.key = key;
     w.parent = parent;
-    w.salt = c.salt;
-    w.fingerprint = c.fp;
-    w.dtype = c.spec.dtype;
-    w.storage = options.storage;
-    w.layers = c.spec.num_layers;
-    w.chunk = c.chunk;
-    w.kv_heads = c.spec.num_kv_heads;
-    w.head_dim = c.spec.head_dim;
-    w.payload_bytes = c.payload_bytes;
+    w.salt = shape.salt;
+    w.fingerprint = shape.fp;
+    w.dtype = shape.dtype;
+    w.storage = shape.storage;
+    w.layers = shape.layers;
+    w.chunk = shape.chunk;
+    w.kv_heads = shape.kv_heads;
+    w.head_dim = shape.head_dim;
+    w.payload_bytes = shape.payload_bytes;
     w.tokens = ids;
     w.now_ms = c.now_ms;
     w.ttl_ms = ttl_ms;
     return w;
-  }
-
-  bool expired(const ChunkEntry& e, int64_t now) const {
-    return ttl_ms > 0 && now - e.created_ms >= ttl_ms;
-  }
-
-  // Removes a slot under its shard lock; the entry is handed back to be freed after unlocking.
-  std::shared_ptr<ChunkEntry> unlink_locked(Shard& s, const Hash128& key) {
-    Slot gone = s.map.erase(key);
-    s.order.erase(gone.order);
-    entries.fetch_sub(1, std::memory_order_relaxed);
-    return std::move(gone.entry);
-  }
-
-  // Removes every memory entry `doomed` selects (pinned ones leave the index at once and are
-  // freed when unpinned); returns how many.
-  template <typename Pred>
-  int64_t erase_memory_if(const Pred& doomed) {
-    int64_t removed = 0;
-    for (auto& shard : shards) {
-      Shard& s = *shard;
-      std::vector<std::shared_ptr<ChunkEntry>> gone;  // freed after the lock is dropped
-      {
-        std::lock_guard<std::mutex> lock(s.mu);
-        std::vector<Hash128> keys;  // collected first: unlinking moves the table's slots
-        s.map.for_each([&](const Hash128& key, const Slot& slot) {
-          if (doomed(*slot.entry)) keys.push_back(key);
-        });
-        for (const Hash128& key : keys) gone.push_back(unlink_locked(s, key));
-      }
-      removed += static_cast<int64_t>(gone.size());
-    }
-    erased.fetch_add(removed, std::memory_order_relaxed);
-    return removed;
-  }
-
-  // Evicts the coldest unpinned entry of the next shard that has one.
-  bool evict_one() {
-    const size_t n = shards.size();
-    for (size_t i = 0; i < n; ++i) {
-      Shard& s = *shards[evict_cursor.fetch_add(1, std::memory_order_relaxed) % n];
-      std::shared_ptr<ChunkEntry> victim;  // freed after the lock is dropped
-      {
-        std::lock_guard<std::mutex> lock(s.mu);
-        Hash128 key;
-        // use_count is exact here: every other copy is made under this lock.
-        if (s.order.find_coldest([&](const Hash128& k) {
-              key = k;
-              return s.map.find(k)->entry.use_count() == 1;
-            }))
-          victim = unlink_locked(s, key);
-      }
-      if (victim) {
-        TierCounters::add(memory_counters.evictions);
-        return true;
-      }
-    }
-    return false;
-  }
-
-  bool reserve(int64_t bytes) {
-    while (!accountant->try_reserve(bytes)) {
-      if (!accountant->drop_one() && !evict_one()) return false;
-    }
-    return true;
-  }
-
-  // Result of looking a chunk up under its shard lock.
-  enum class Probe { kAbsent, kSame, kCollision };
-
-  // An expired entry is unlinked (handed back in *gone) and reported absent.
-  Probe probe_and_touch(Shard& s, const Hash128& key, const Hash128& salt, const Hash128& parent,
-                        const uint32_t* ids, int64_t now, std::shared_ptr<const ChunkEntry>* pin,
-                        std::shared_ptr<ChunkEntry>* gone) {
-    Slot* slot = s.map.find(key);
-    if (!slot) return Probe::kAbsent;
-    if (expired(*slot->entry, now)) {
-      *gone = unlink_locked(s, key);
-      TierCounters::add(memory_counters.expired);
-      return Probe::kAbsent;
-    }
-    if (!slot->entry->same_chunk(salt, parent, ids)) return Probe::kCollision;
-    s.order.touch(slot->order, key);
-    if (pin) *pin = slot->entry;
-    return Probe::kSame;
-  }
-
-  Probe probe(const Hash128& key, const Hash128& salt, const Hash128& parent, const uint32_t* ids,
-              int64_t now, std::shared_ptr<const ChunkEntry>* pin) {
-    Shard& s = shard_for(key);
-    std::shared_ptr<ChunkEntry> gone;
-    std::lock_guard<std::mutex> lock(s.mu);
-    return probe_and_touch(s, key, salt, parent, ids, now, pin, &gone);
-  }
-
-  bool in_memory(const Hash128& key) {
-    Shard& s = shard_for(key);
-    std::lock_guard<std::mutex> lock(s.mu);
-    return s.map.contains(key);
-  }
-
-  // A new entry with its budget reserved and its payload allocated (contents not yet written),
-  // or nullptr when no room can be made.
-  std::shared_ptr<ChunkEntry> new_entry(const Call& c, const Hash128& parent, const uint32_t* ids,
-                                        int64_t created_ms) {
-    const int64_t bytes = entry_bytes(c.spec, c.chunk, options.storage);
-    auto entry = std::make_shared<ChunkEntry>();
-    entry->accountant = accountant;
-    if (!reserve(bytes)) return nullptr;
-    entry->accounted = bytes;
-    entry->salt = c.salt;
-    entry->parent = parent;
-    entry->tokens.assign(ids, ids + c.chunk);
-    entry->layers = c.spec.num_layers;
-    entry->chunk = c.chunk;
-    entry->kv_heads = c.spec.num_kv_heads;
-    entry->head_dim = c.spec.head_dim;
-    entry->dtype = c.spec.dtype;
-    entry->storage = options.storage;
-    entry->fp = c.fp;
-    entry->created_ms = created_ms;
-    entry->payload_bytes = static_cast<size_t>(c.payload_bytes);
-    entry->kv_size = allocation_size(entry->payload_bytes);
-    entry->kv = accountant->take(entry->kv_size);
-    if (!entry->kv) entry->kv = allocate_payload(entry->payload_bytes);
-    return entry;
-  }
-
-  // Inserts a filled entry unless the key is present meanwhile. *pin gets whichever entry the
-  // index holds for the chunk; returns kCollision (and no pin) when it holds another chunk.
-  Probe insert(const Hash128& key, std::shared_ptr<ChunkEntry> entry, int64_t now,
-               std::shared_ptr<const ChunkEntry>* pin, bool* inserted) {
-    Shard& s = shard_for(key);
-    std::shared_ptr<ChunkEntry> gone;
-    std::lock_guard<std::mutex> lock(s.mu);
-    *inserted = false;
-    if (Slot* held_slot = s.map.find(key)) {
-      const ChunkEntry& held = *held_slot->entry;
-      if (expired(held, now)) {
-        gone = unlink_locked(s, key);
-        TierCounters::add(memory_counters.expired);
-      } else if (held.salt != entry->salt || held.parent != entry->parent ||
-                 held.tokens != entry->tokens) {
-        return Probe::kCollision;
-      } else {
-        s.order.touch(held_slot->order, key);
-        *pin = held_slot->entry;
-        return Probe::kSame;
-      }
-    }
-    *pin = entry;
-    const int64_t created = entry->created_ms;
-    Slot& slot = s.map.insert(key);
-    slot.entry = std::move(entry);
-    slot.order = s.order.insert(key, created);
-    entries.fetch_add(1, std::memory_order_relaxed);
-    TierCounters::add(memory_counters.writes);
-    *inserted = true;
-    return Probe::kAbsent;
   }
 
   // --- match(): the lower tiers -------------------------------------------------------------
@@ -608,18 +252,18 @@ struct KVStore::Impl {
     }
     TierCounters::add(rc.filter_passes);
     const size_t value_bytes =
-        detail::entry_encoded_bytes(call.chunk, call.payload_bytes);
+        detail::entry_encoded_bytes(call.shape.chunk, call.shape.payload_bytes);
     const size_t limit = std::max<size_t>(
         1, std::min<size_t>(1024, static_cast<size_t>(options.redis_batch_bytes) / value_bytes));
     w->begin = c;
     w->epoch = redis->epoch();
     w->names.clear();
-    w->names.push_back(redis->key_for(call.ns, call.fp, keys.at(c)));
+    w->names.push_back(redis->key_for(call.ns, call.shape.fp, keys.at(c)));
     for (size_t k = c + 1; k < chunks && w->names.size() < limit; ++k) {
       const Hash128& key = keys.at(k);
-      if (!redis->may_contain(key) || in_memory(key) || (disk && disk->contains(key, call.fp)))
+      if (!redis->may_contain(key) || memory.contains(key) || (disk && disk->contains(key, call.shape.fp)))
         break;
-      w->names.push_back(redis->key_for(call.ns, call.fp, key));
+      w->names.push_back(redis->key_for(call.ns, call.shape.fp, key));
     }
     w->count = w->names.size();
     w->slots.assign(w->count, RemoteSlot{});
@@ -629,9 +273,9 @@ struct KVStore::Impl {
       RemoteSlot& slot = w->slots[i];
       slot.present = true;
       const size_t k = w->begin + i;
-      const uint32_t* ids = keys.tokens + static_cast<int64_t>(k) * call.chunk;
+      const uint32_t* ids = keys.tokens + static_cast<int64_t>(k) * call.shape.chunk;
       const ExpectedEntry want = expected(call, keys.at(k), keys.parent(k), ids);
-      slot.entry = new_entry(call, keys.parent(k), ids, call.now_ms);
+      slot.entry = memory.new_entry(call.shape, keys.parent(k), ids, call.now_ms);
       if (!slot.entry) {
         slot.no_room = true;
         return;
@@ -666,13 +310,14 @@ struct KVStore::Impl {
                                                bool* collision) {
     const Hash128 key = keys.at(c);
     const Hash128 parent = keys.parent(c);
-    const uint32_t* ids = keys.tokens + static_cast<int64_t>(c) * call.chunk;
+    const uint32_t* ids = keys.tokens + static_cast<int64_t>(c) * call.shape.chunk;
     const ExpectedEntry want = expected(call, key, parent, ids);
     std::shared_ptr<ChunkEntry> entry;
     auto promote = [&](TierCounters& tier) -> std::shared_ptr<const ChunkEntry> {
       std::shared_ptr<const ChunkEntry> pin;
       bool inserted = false;
-      if (insert(key, std::move(entry), call.now_ms, &pin, &inserted) == Probe::kCollision) {
+      if (memory.insert(key, std::move(entry), call.now_ms, &pin, &inserted) ==
+          MemoryTier::Probe::kCollision) {
         *collision = true;
         return nullptr;
       }
@@ -681,13 +326,13 @@ struct KVStore::Impl {
       return pin;
     };
     auto allocate = [&](int64_t created) {
-      if (!entry) entry = new_entry(call, parent, ids, created);
+      if (!entry) entry = memory.new_entry(call.shape, parent, ids, created);
       if (!entry) promotions_rejected.fetch_add(1, std::memory_order_relaxed);
       return entry != nullptr;
     };
 
     if (disk) {
-      if (disk->contains(key, call.fp)) {
+      if (disk->contains(key, call.shape.fp)) {
         if (!allocate(call.now_ms)) return nullptr;
         detail::LoadedMeta meta;
         const LoadResult r = disk->load(want, entry->kv, &meta);
@@ -772,9 +417,9 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
   m.puts.fetch_add(1, std::memory_order_relaxed);
 
   const Call call = m.call(spec, ns);
-  const int64_t chunk = call.chunk;
+  const int64_t chunk = call.shape.chunk;
   const int64_t chunks = static_cast<int64_t>(tokens.size) / chunk;
-  Hash128 parent = call.salt;
+  Hash128 parent = call.shape.salt;
   // This call's chunks stay pinned until it returns, so making room for chunk c never evicts
   // chunks 0..c-1 of the same prefix (and the lower tiers can be written from them).
   std::vector<std::shared_ptr<const ChunkEntry>> held;
@@ -794,7 +439,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
     if (pending.empty()) return;
     std::vector<RedisTier::Write> writes;
     for (const RemoteWrite& w : pending) {
-      writes.push_back({m.redis->key_for(ns, call.fp, w.key), w.key, w.packed.prefix.data(),
+      writes.push_back({m.redis->key_for(ns, call.shape.fp, w.key), w.key, w.packed.prefix.data(),
                         w.packed.prefix.size(), w.entry->kv, w.entry->payload_bytes,
                         w.packed.checksum});
     }
@@ -812,25 +457,25 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
     const uint32_t* ids = ids_all.data() + c * chunk;
     const Hash128 key = chain_hash(parent, ids, chunk);
     std::shared_ptr<const ChunkEntry> pinned;
-    Impl::Probe found = m.probe(key, call.salt, parent, ids, call.now_ms, &pinned);
-    if (found == Impl::Probe::kCollision) {
+    MemoryTier::Probe found = m.memory.probe(key, call.shape.salt, parent, ids, call.now_ms, &pinned);
+    if (found == MemoryTier::Probe::kCollision) {
       m.collisions.fetch_add(1, std::memory_order_relaxed);
       break;
     }
     bool inserted = false;
     std::shared_ptr<ChunkEntry> fresh;
-    if (found == Impl::Probe::kAbsent) {
-      fresh = m.new_entry(call, parent, ids, call.now_ms);
+    if (found == MemoryTier::Probe::kAbsent) {
+      fresh = m.memory.new_entry(call.shape, parent, ids, call.now_ms);
       if (fresh) {
         fresh->provenance = origin;
         fresh->fill_from(kv.slice_tokens(c * chunk, chunk));
-        found = m.insert(key, fresh, call.now_ms, &pinned, &inserted);
-        if (found == Impl::Probe::kCollision) {
+        found = m.memory.insert(key, fresh, call.now_ms, &pinned, &inserted);
+        if (found == MemoryTier::Probe::kCollision) {
           m.collisions.fetch_add(1, std::memory_order_relaxed);
           break;
         }
       } else {
-        TierCounters::add(m.memory_counters.write_failures);
+        TierCounters::add(m.memory.counters().write_failures);
       }
     }
     if (inserted) {
@@ -844,26 +489,12 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
       // entry of its own (not accounted: it lives only until this call returns).
       std::shared_ptr<const ChunkEntry> source = pinned;
       if (!source) {
-        auto transient = std::make_shared<ChunkEntry>();
-        transient->salt = call.salt;
-        transient->parent = parent;
-        transient->tokens.assign(ids, ids + chunk);
-        transient->layers = spec.num_layers;
-        transient->chunk = chunk;
-        transient->kv_heads = spec.num_kv_heads;
-        transient->head_dim = spec.head_dim;
-        transient->dtype = spec.dtype;
-        transient->storage = m.options.storage;
-        transient->fp = call.fp;
+        auto transient = MemoryTier::transient_entry(call.shape, parent, ids, call.now_ms);
         transient->provenance = origin;
-        transient->created_ms = call.now_ms;
-        transient->payload_bytes = static_cast<size_t>(call.payload_bytes);
-        transient->kv_size = allocation_size(transient->payload_bytes);
-        transient->kv = allocate_payload(transient->payload_bytes);
         transient->fill_from(kv.slice_tokens(c * chunk, chunk));
         source = std::move(transient);
       }
-      const bool to_disk = m.disk && !m.disk->has_file(key, call.fp);
+      const bool to_disk = m.disk && !m.disk->has_file(key, call.shape.fp);
       // Redis gets every chunk it is not known to hold: new ones, and ones put or promoted
       // while it was down or before it last failed (so an outage is repaired by the next put).
       const bool to_redis =
@@ -872,7 +503,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
       if (to_disk || to_redis) {
         Packed packed = pack(*source, key);
         if (to_disk) {
-          in_lower = m.disk->store(key, call.fp, packed.prefix.data(), packed.prefix.size(),
+          in_lower = m.disk->store(key, call.shape.fp, packed.prefix.data(), packed.prefix.size(),
                                    source->kv, source->payload_bytes, packed.checksum,
                                    source->created_ms);
         } else if (m.disk) {
@@ -911,11 +542,11 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
   spec.validate();
   const detail::TokenIds ids_all(tokens);
   const Call call = m.call(spec, ns);
-  const int64_t chunk = call.chunk;
+  const int64_t chunk = call.shape.chunk;
   const size_t chunks = tokens.size / static_cast<size_t>(chunk);
   Match result;
   result.chunk_tokens_ = chunk;
-  Impl::Keys keys{ids_all.data(), chunk, {}, call.salt};  // hashed lazily: a miss stops early
+  Impl::Keys keys{ids_all.data(), chunk, {}, call.shape.salt};  // hashed lazily: a miss stops early
   keys.h.reserve(chunks);
   result.entries_.reserve(chunks);
   Impl::RemoteWindow window;
@@ -924,15 +555,15 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
     const Hash128 key = keys.at(c);
     const uint32_t* ids = ids_all.data() + static_cast<int64_t>(c) * chunk;
     std::shared_ptr<const ChunkEntry> pinned;
-    const Impl::Probe found = m.probe(key, call.salt, keys.parent(c), ids, call.now_ms, &pinned);
-    if (found == Impl::Probe::kCollision) {
+    const MemoryTier::Probe found = m.memory.probe(key, call.shape.salt, keys.parent(c), ids, call.now_ms, &pinned);
+    if (found == MemoryTier::Probe::kCollision) {
       m.collisions.fetch_add(1, std::memory_order_relaxed);
       break;
     }
-    if (found == Impl::Probe::kSame) {
+    if (found == MemoryTier::Probe::kSame) {
       ++memory_hits;
     } else {
-      TierCounters::add(m.memory_counters.misses);
+      TierCounters::add(m.memory.counters().misses);
       if (!m.lower_tiers()) break;
       bool collision = false;
       pinned = m.load_lower(call, keys, c, chunks, &window, &collision);
@@ -941,7 +572,7 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
     }
     result.entries_.push_back(std::move(pinned));
   }
-  TierCounters::add(m.memory_counters.hit_chunks, memory_hits);
+  TierCounters::add(m.memory.counters().hit_chunks, memory_hits);
   result.tokens_ = result.chunks() * chunk;
   m.matches.fetch_add(1, std::memory_order_relaxed);
   (result.tokens_ ? m.hits : m.misses).fetch_add(1, std::memory_order_relaxed);
@@ -962,20 +593,9 @@ int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view
   std::vector<std::string> remote;
   const Fingerprint fp = detail::to_fingerprint(spec.fingerprint());
   for (size_t c = 0; c < keys.size(); ++c) {
-    if (tiers & kMemoryTier) {
-      Shard& s = m.shard_for(keys[c]);
-      std::shared_ptr<ChunkEntry> gone;  // freed after the lock is dropped
-      {
-        std::lock_guard<std::mutex> lock(s.mu);
-        const Slot* slot = s.map.find(keys[c]);
-        if (slot && slot->entry->same_chunk(salt, parent, ids.data() + c * chunk)) {
-          gone = m.unlink_locked(s, keys[c]);
-        }
-      }
-      if (gone) {
-        ++removed;
-        m.erased.fetch_add(1, std::memory_order_relaxed);
-      }
+    if ((tiers & kMemoryTier) && m.memory.erase(keys[c], salt, parent, ids.data() + c * chunk)) {
+      ++removed;
+      m.erased.fetch_add(1, std::memory_order_relaxed);
     }
     if ((tiers & kDiskTier) && m.disk && m.disk->erase(keys[c], fp)) ++removed;
     if ((tiers & kRedisTier) && m.redis) remote.push_back(m.redis->key_for(ns, fp, keys[c]));
@@ -990,7 +610,8 @@ InvalidateResult KVStore::invalidate(const ModelSpec& spec) {
   spec.validate();
   const Fingerprint fp = detail::to_fingerprint(spec.fingerprint());
   InvalidateResult r;
-  r.memory = m.erase_memory_if([&](const ChunkEntry& e) { return e.fp == fp; });
+  r.memory = m.memory.erase_if([&](const ChunkEntry& e) { return e.fp == fp; });
+  m.erased.fetch_add(r.memory, std::memory_order_relaxed);
   if (m.disk) r.disk = m.disk->invalidate(fp);
   if (m.redis) r.redis = m.redis->invalidate(fp, &r.redis_complete);
   return r;
@@ -1006,8 +627,9 @@ InvalidateResult KVStore::invalidate_adapter(const ModelSpec& target,
       detail::to_entry_provenance(Provenance{target_fp, std::string(adapter_fingerprint)}).adapter;
   const Fingerprint fp = detail::to_fingerprint(target_fp);
   InvalidateResult r;
-  r.memory = m.erase_memory_if(
-      [&](const ChunkEntry& e) { return e.fp == fp && e.provenance.adapter == adapter; });
+  r.memory = m.memory.erase_if(
+      [&](const ChunkEntry& e) { return e.fp == fp && e.provenance.adapter == adapter;
+  m.erased.fetch_add(r.memory, std::memory_order_relaxed); });
   if (m.disk) r.disk = m.disk->invalidate_adapter(fp, adapter);
   if (m.redis) r.redis = m.redis->invalidate_adapter(fp, adapter, &r.redis_complete);
   return r;
@@ -1015,19 +637,7 @@ InvalidateResult KVStore::invalidate_adapter(const ModelSpec& target,
 
 void KVStore::clear(unsigned tiers) {
   Impl& m = *impl_;
-  if (tiers & kMemoryTier) {
-    for (auto& shard : m.shards) {
-      Shard& s = *shard;
-      std::vector<Slot> gone;  // freed after the lock is dropped
-      {
-        std::lock_guard<std::mutex> lock(s.mu);
-        gone = s.map.take_all();
-        s.order.clear();
-      }
-      m.entries.fetch_sub(static_cast<int64_t>(gone.size()), std::memory_order_relaxed);
-      m.erased.fetch_add(static_cast<int64_t>(gone.size()), std::memory_order_relaxed);
-    }
-  }
+  if (tiers & kMemoryTier) m.erased.fetch_add(m.memory.clear(), std::memory_order_relaxed);
   if ((tiers & kDiskTier) && m.disk) m.disk->clear();
   if ((tiers & kRedisTier) && m.redis) m.redis->clear();
 }
@@ -1036,30 +646,10 @@ StoreStats KVStore::stats() const {
   const Impl& m = *impl_;
   auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
   StoreStats st;
-  st.capacity_bytes = m.options.capacity_bytes;
-  st.bytes_used = get(m.accountant->used);
-  st.recycled_bytes = get(m.accountant->pooled);
-  st.peak_bytes = get(m.accountant->peak);
-  st.entries = get(m.entries);
-  st.puts = get(m.puts);
-  st.chunks_inserted = get(m.chunks_inserted);
-  st.chunks_present = get(m.chunks_present);
-  st.chunks_rejected = get(m.chunks_rejected);
-  st.matches = get(m.matches);
-  st.hits = get(m.hits);
-  st.misses = get(m.misses);
-  st.hit_chunks = get(m.hit_chunks);
-  st.collisions = get(m.collisions);
-  st.evictions = get(m.memory_counters.evictions);
-  st.erased = get(m.erased);
-  st.promotions = get(m.promotions);
-  st.promotions_rejected = get(m.promotions_rejected);
-
-  m.memory_counters.fill(&st.memory);
-  st.memory.enabled = true;
-  st.memory.capacity_bytes = st.capacity_bytes;
-  st.memory.bytes_used = st.bytes_used;
-  st.memory.entries = st.entries;
+#define KVBRIDGE_STORE_LOAD_(type, member, metric, kind, help) st.member = get(m.member);
+  KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STORE_LOAD_)
+#undef KVBRIDGE_STORE_LOAD_
+  m.memory.fill(&st);
 
   m.disk_counters.fill(&st.disk);
   if (m.disk) {
@@ -1079,110 +669,50 @@ StoreStats KVStore::stats() const {
 
 std::string KVStore::metrics_text() const {
   const StoreStats st = stats();
-  std::ostringstream out;
-  auto family = [&](const char* name, const char* type, const char* help) {
-    out << "# HELP kvbridge_store_" << name << ' ' << help << '\n'
-        << "# TYPE kvbridge_store_" << name << ' ' << type << '\n';
-  };
-  auto sample = [&](const char* name, const std::string& labels, double v) {
-    out << "kvbridge_store_" << name;
-    if (!labels.empty()) out << '{' << labels << '}';
-    out << ' ' << v << '\n';
-  };
+  detail::PrometheusText out("kvbridge_store_");
+  // Tier fields: one family each, a sample per tier.
   const std::pair<const char*, const TierStats*> tiers[] = {
       {"memory", &st.memory}, {"disk", &st.disk}, {"redis", &st.redis}};
-  struct TierMetric {
-    const char* name;
-    const char* type;
-    const char* help;
-    int64_t TierStats::*field;
-  };
-  const TierMetric per_tier[] = {
-      {"tier_enabled", "gauge", "1 when the tier is configured.", nullptr},
-      {"capacity_bytes", "gauge", "Byte budget of the tier (0: none of its own).",
-       &TierStats::capacity_bytes},
-      {"bytes", "gauge", "Bytes the tier holds (memory: accounted; disk: file blocks).",
-       &TierStats::bytes_used},
-      {"entries", "gauge", "Chunk entries the tier indexes.", &TierStats::entries},
-      {"hits_total", "counter", "Chunks served to match() by the tier.", &TierStats::hit_chunks},
-      {"misses_total", "counter", "Chunk lookups that reached the tier and found nothing.",
-       &TierStats::misses},
-      {"writes_total", "counter", "Entries written to the tier.", &TierStats::writes},
-      {"write_failures_total", "counter", "Writes that failed or were skipped.",
-       &TierStats::write_failures},
-      {"evictions_total", "counter", "Entries evicted to make room.", &TierStats::evictions},
-      {"expired_total", "counter", "Entries found past their TTL.", &TierStats::expired},
-      {"corrupt_total", "counter", "Entries that failed validation.", &TierStats::corrupt},
-      {"errors_total", "counter", "I/O or remote errors.", &TierStats::errors},
-      {"read_bytes_total", "counter", "Entry bytes read from the tier.", &TierStats::bytes_read},
-      {"written_bytes_total", "counter", "Entry bytes written to the tier.",
-       &TierStats::bytes_written},
-  };
-  out.precision(17);
-  for (const TierMetric& tm : per_tier) {
-    family(tm.name, tm.type, tm.help);
-    for (const auto& [tier, ts] : tiers) {
-      const double v = tm.field ? static_cast<double>(ts->*(tm.field)) : (ts->enabled ? 1 : 0);
-      sample(tm.name, std::string("tier=\"") + tier + "\"", v);
-    }
+#define KVBRIDGE_TIER_FAMILY_(type, member, metric, kind, help)                       \
+  out.family(metric, #kind, help);                                                    \
+  for (const auto& [tier, ts] : tiers)                                                \
+    out.sample(metric, std::string("tier=\"") + tier + "\"", static_cast<double>(ts->member));
+  KVBRIDGE_TIER_GAUGES(KVBRIDGE_TIER_FAMILY_)
+  KVBRIDGE_TIER_COUNTERS(KVBRIDGE_TIER_FAMILY_)
+#undef KVBRIDGE_TIER_FAMILY_
+#define KVBRIDGE_ROW_(type, member, metric, kind, help) \
+  detail::emit_row(out, metric, #kind, help, static_cast<double>(from.member));
+  {
+    const StoreStats& from = st;
+    KVBRIDGE_STORE_COUNTERS(KVBRIDGE_ROW_)
+    KVBRIDGE_STORE_GAUGES(KVBRIDGE_ROW_)
   }
-  const std::tuple<const char*, const char*, const char*, int64_t> scalars[] = {
-      {"puts_total", "counter", "put() calls.", st.puts},
-      {"matches_total", "counter", "match() calls.", st.matches},
-      {"match_hits_total", "counter", "match() calls that returned at least one chunk.", st.hits},
-      {"match_misses_total", "counter", "match() calls that returned nothing.", st.misses},
-      {"hit_chunks_total", "counter", "Chunks returned by match(), from any tier.",
-       st.hit_chunks},
-      {"collisions_total", "counter", "Entries rejected by the token, parent or salt check.",
-       st.collisions},
-      {"chunks_rejected_total", "counter", "put() chunks that no tier took.",
-       st.chunks_rejected},
-      {"promotions_total", "counter", "Chunks copied into memory from a lower tier.",
-       st.promotions},
-      {"promotions_rejected_total", "counter", "Lower-tier hits dropped for lack of memory.",
-       st.promotions_rejected},
-      {"peak_bytes", "gauge", "Highest accounted memory bytes reached.", st.peak_bytes},
-      {"recycled_bytes", "gauge", "Freed payload buffers kept for reuse.", st.recycled_bytes},
-      {"remote_round_trips_total", "counter", "Redis commands or pipelines answered.",
-       st.remote.round_trips},
-      {"remote_errors_total", "counter", "Redis errors (failed or timed-out commands).",
-       st.redis.errors},
-      {"remote_skipped_total", "counter", "Redis operations skipped while it was marked down.",
-       st.remote.skipped},
-      {"remote_reconnects_total", "counter", "Reconnects to Redis after a failure.",
-       st.remote.reconnects},
-      {"filter_negatives_total", "counter", "Lookups the filter answered as sure misses.",
-       st.remote.filter_negatives},
-      {"filter_passes_total", "counter", "Lookups the filter let through.",
-       st.remote.filter_passes},
-      {"filter_false_positives_total", "counter", "Lookups let through that found nothing.",
-       st.remote.filter_false_positives},
-      {"filter_refreshes_total", "counter", "Filter copies fetched.", st.remote.filter_refreshes},
-      {"filter_rebuilds_total", "counter", "Filters rebuilt from the keys.",
-       st.remote.filter_rebuilds},
-      {"filter_active", "gauge", "1 while a usable filter copy is in use.",
-       st.remote.filter_active ? 1 : 0},
-  };
-  for (const auto& [name, type, help, v] : scalars) {
-    family(name, type, help);
-    sample(name, "", static_cast<double>(v));
+  {
+    const RemoteStats& from = st.remote;
+    // remote_errors_total (the Redis tier's errors_total under its older name, kept for
+    // existing dashboards) follows remote_round_trips_total, as it always has.
+#define KVBRIDGE_REMOTE_ROW_(type, member, metric, kind, help)                               \
+  KVBRIDGE_ROW_(type, member, metric, kind, help)                                            \
+  if (std::string_view(#member) == "round_trips")                                            \
+    out.single("remote_errors_total", "counter", "Redis errors (failed or timed-out commands).", \
+               static_cast<double>(st.redis.errors));
+    KVBRIDGE_REMOTE_COUNTERS(KVBRIDGE_REMOTE_ROW_)
+#undef KVBRIDGE_REMOTE_ROW_
+    KVBRIDGE_REMOTE_GAUGES(KVBRIDGE_ROW_)
   }
-  family("remote_latency_seconds", "histogram", "Latency of answered Redis round trips.");
+#undef KVBRIDGE_ROW_
+  out.family("remote_latency_seconds", "histogram", "Latency of answered Redis round trips.");
   for (int i = 0; i < RemoteStats::kLatencyBuckets; ++i) {
-    std::ostringstream le;
-    le.precision(6);
-    if (i + 1 < RemoteStats::kLatencyBuckets) {
-      le << RemoteStats::kLatencyBounds[static_cast<size_t>(i)];
-    } else {
-      le << "+Inf";
-    }
-    sample("remote_latency_seconds_bucket", "le=\"" + le.str() + "\"",
-           static_cast<double>(st.remote.latency_buckets[static_cast<size_t>(i)]));
+    char le[32] = "+Inf";
+    if (i + 1 < RemoteStats::kLatencyBuckets)
+      std::snprintf(le, sizeof le, "%g", RemoteStats::kLatencyBounds[static_cast<size_t>(i)]);
+    out.sample("remote_latency_seconds_bucket", std::string("le=\"") + le + "\"",
+               static_cast<double>(st.remote.latency_buckets[static_cast<size_t>(i)]));
   }
-  sample("remote_latency_seconds_sum", "", st.remote.latency_seconds_sum);
-  sample("remote_latency_seconds_count", "",
-         static_cast<double>(st.remote.latency_buckets[RemoteStats::kLatencyBuckets - 1]));
-  return out.str();
+  out.sample("remote_latency_seconds_sum", "", st.remote.latency_seconds_sum);
+  out.sample("remote_latency_seconds_count", "",
+             static_cast<double>(st.remote.latency_buckets[RemoteStats::kLatencyBuckets - 1]));
+  return out.text();
 }
 
 Match::~Match() = default;

@@ -1,53 +1,21 @@
 #include "src/store/redis_tier.h"
 
-// sds.h (the output buffer of a context, written by hand in store()) has no C++ guard, and
-// hiredis.h includes it, so it comes first.
-extern "C" {
-#include <hiredis/sds.h>
-}
-#include <hiredis/hiredis.h>
-#include <sys/time.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
-#include <random>
 #include <thread>
 
 #include "kvbridge/error.h"
-#include "src/core/xxh3.h"
+#include "src/store/redis_filter.h"
+#include "src/store/redis_pool.h"
+#include "src/store/redis_resp.h"
+#include "src/store/redis_url.h"
 
 namespace kvbridge::detail {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
-}
-
-timeval to_timeval(int ms) {
-  timeval tv;
-  tv.tv_sec = ms / 1000;
-  tv.tv_usec = (ms % 1000) * 1000;
-  return tv;
-}
-
-// The shared filter's value: an 8-byte header, then 2^log2_bits bits (Redis bit order: bit 0 is
-// the most significant bit of the first byte). Header: "KVBF", version 1, probes k, log2 of the
-// bit count, ready flag (1 once every key present when it was created has been added).
-constexpr char kFilterMagic[4] = {'K', 'V', 'B', 'F'};
-constexpr size_t kFilterHeader = 8;
-constexpr int kFilterMinLog2 = 10;
-constexpr int kFilterMaxLog2 = 31;  // Redis bit offsets stay below 2^32
-constexpr double kFilterMaxFill = 0.5;  // above this the filter is rebuilt from the keys
-
-// Adds the bits of each (h1, h2) pair in ARGV when the filter exists (never creates it, so a
-// missing filter stays missing until a rebuild that scans every key).
 // UNLINKs the KEYS whose value bytes [ARGV[1], ARGV[2]] equal ARGV[3] (an entry's adapter
 // fingerprint); returns how many.
 constexpr char kUnlinkAdapterScript[] =
@@ -58,86 +26,6 @@ constexpr char kUnlinkAdapterScript[] =
     "  end "
     "end "
     "return n";
-constexpr char kAddScript[] =
-    "local h = redis.call('GETRANGE', KEYS[1], 0, 7)\n"
-    "if #h < 8 or string.sub(h, 1, 4) ~= 'KVBF' then return 0 end\n"
-    "local k = string.byte(h, 6)\n"
-    "local m = 2 ^ string.byte(h, 7)\n"
-    "for i = 1, #ARGV, 2 do\n"
-    "  local h1 = tonumber(ARGV[i])\n"
-    "  local h2 = tonumber(ARGV[i + 1])\n"
-    "  for j = 0, k - 1 do\n"
-    "    redis.call('SETBIT', KEYS[1], 64 + (h1 + j * h2) % m, 1)\n"
-    "  end\n"
-    "end\n"
-    "return 1\n";
-
-uint64_t probe_h1(const Hash128& key) { return key.low & 0xffffffffu; }
-uint64_t probe_h2(const Hash128& key) { return key.high & 0xffffffffu; }
-
-struct FilterCopy {
-  int probes = 0;
-  int log2_bits = 0;
-  std::unique_ptr<std::atomic<uint8_t>[]> bytes;  // header + bits; atomics: local puts add
-  size_t size = 0;
-  double fill = 0;
-
-  uint64_t offset(uint64_t h1, uint64_t h2, int j) const {
-    const uint64_t mask = (uint64_t{1} << log2_bits) - 1;
-    return 64 + ((h1 + static_cast<uint64_t>(j) * h2) & mask);
-  }
-  bool test(const Hash128& key) const {
-    for (int j = 0; j < probes; ++j) {
-      const uint64_t off = offset(probe_h1(key), probe_h2(key), j);
-      if (!(bytes[off >> 3].load(std::memory_order_relaxed) & (0x80u >> (off & 7)))) return false;
-    }
-    return true;
-  }
-  void add(const Hash128& key) {
-    for (int j = 0; j < probes; ++j) {
-      const uint64_t off = offset(probe_h1(key), probe_h2(key), j);
-      bytes[off >> 3].fetch_or(static_cast<uint8_t>(0x80u >> (off & 7)),
-                               std::memory_order_relaxed);
-    }
-  }
-};
-
-enum class FilterState { kReady, kMissing, kBuilding, kInvalid };
-
-// Parses a fetched filter value.
-FilterState parse_filter(const char* data, size_t size, std::shared_ptr<FilterCopy>* out) {
-  if (!data) return FilterState::kMissing;
-  if (size < kFilterHeader || std::memcmp(data, kFilterMagic, 4) != 0 || data[4] != 1)
-    return FilterState::kInvalid;
-  const int k = static_cast<unsigned char>(data[5]);
-  const int b = static_cast<unsigned char>(data[6]);
-  if (k < 1 || k > 16 || b < kFilterMinLog2 || b > kFilterMaxLog2) return FilterState::kInvalid;
-  // SETBIT beyond the current length grows a string, so a filter created at full size has it.
-  if (size != kFilterHeader + (size_t{1} << b) / 8) return FilterState::kInvalid;
-  if (data[7] != 1) return FilterState::kBuilding;
-  auto f = std::make_shared<FilterCopy>();
-  f->probes = k;
-  f->log2_bits = b;
-  f->size = size;
-  f->bytes.reset(new std::atomic<uint8_t>[size]);
-  size_t ones = 0;
-  for (size_t i = 0; i < size; ++i) {
-    const auto v = static_cast<uint8_t>(data[i]);
-    f->bytes[i].store(v, std::memory_order_relaxed);
-    if (i >= kFilterHeader) ones += static_cast<size_t>(__builtin_popcount(v));
-  }
-  f->fill = static_cast<double>(ones) / static_cast<double>(size_t{1} << b);
-  *out = std::move(f);
-  return FilterState::kReady;
-}
-
-struct ReplyDeleter {
-  void operator()(redisReply* r) const {
-    if (r) freeReplyObject(r);
-  }
-};
-using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
-
 // Percent-encodes every byte outside [A-Za-z0-9._-] (the key schema's one encoding).
 void percent_encode_into(std::string* out, std::string_view s) {
   static const char* hex = "0123456789ABCDEF";
@@ -185,35 +73,6 @@ bool parse_hex_key(std::string_view s, Hash128* out) {
   return true;
 }
 
-// Values of a fetch are handed to the consumer straight from hiredis's read buffer: a reader
-// callback in place of hiredis's string constructor, active while a fetch on this thread
-// parses its reply. The consumed value becomes a nil element, so no reply object copies it.
-thread_local const RedisTier::ValueConsumer* t_consumer = nullptr;
-redisReplyObjectFunctions g_capture_functions;
-const redisReplyObjectFunctions* g_default_functions = nullptr;
-std::once_flag g_capture_once;
-
-void* capture_string(const redisReadTask* task, char* str, size_t len) {
-  if (t_consumer && task->type == REDIS_REPLY_STRING && task->parent) {
-    try {
-      (*t_consumer)(static_cast<size_t>(task->idx), reinterpret_cast<const unsigned char*>(str),
-                    len);
-    } catch (...) {
-    }
-    return g_default_functions->createNil(task);
-  }
-  return g_default_functions->createString(task, str, len);
-}
-
-void install_capture(redisContext* c) {
-  std::call_once(g_capture_once, [c] {
-    g_default_functions = c->reader->fn;
-    g_capture_functions = *c->reader->fn;
-    g_capture_functions.createString = capture_string;
-  });
-  c->reader->fn = &g_capture_functions;
-}
-
 }  // namespace
 
 void RemoteCounters::record_latency(int64_t ns) {
@@ -228,88 +87,40 @@ void RemoteCounters::record_latency(int64_t ns) {
 
 void RemoteCounters::fill(RemoteStats* s) const {
   auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
-  s->round_trips = get(round_trips);
-  s->skipped = get(skipped);
-  s->reconnects = get(reconnects);
-  s->filter_negatives = get(filter_negatives);
-  s->filter_passes = get(filter_passes);
-  s->filter_false_positives = get(filter_false_positives);
-  s->filter_refreshes = get(filter_refreshes);
-  s->filter_rebuilds = get(filter_rebuilds);
+  KVBRIDGE_REMOTE_COUNTERS(KVBRIDGE_STATS_LOAD_)
   s->latency_seconds_sum = static_cast<double>(get(latency_ns_sum)) * 1e-9;
   for (size_t i = 0; i < latency_buckets.size(); ++i) s->latency_buckets[i] = get(latency_buckets[i]);
 }
 
 LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntry& want,
                       char* payload, LoadedMeta* meta, TierCounters* counters, bool* drop) {
-  TierCounters& c = *counters;
   *drop = false;
-  auto miss = [&](std::atomic<int64_t>& reason) {
-    TierCounters::add(reason);
-    TierCounters::add(c.misses);
-    *drop = true;
-    return LoadResult::kMiss;
+  // The value is whole in memory: a block is read by copying it (verify_entry hashes each
+  // block right after the copy, while it is still in cache).
+  const size_t prefix = entry_prefix_bytes(want.chunk);
+  auto copy = [&](char* dst, size_t off, size_t len, unsigned char* trailer) {
+    std::memcpy(dst, data + prefix + off, len);
+    if (trailer) std::memcpy(trailer, data + prefix + off + len, kEntryTrailerBytes);
+    return true;
   };
   EntryHeader h;
-  try {
-    h = decode_entry_header(data, size);
-  } catch (const Corrupt&) {
-    return miss(c.corrupt);
-  }
-  if (!header_fits(h, want)) return miss(c.corrupt);
-  const size_t prefix = entry_prefix_bytes(h.chunk);
-  // Copy and hash block by block, so each block is hashed while it is still in cache.
-  constexpr size_t kBlock = size_t{256} << 10;
-  Xxh3Stream hash;
-  hash.update(data, prefix);
-  const unsigned char* src = data + prefix;
-  const size_t n = static_cast<size_t>(h.payload_bytes);
-  for (size_t off = 0; off < n; off += kBlock) {
-    const size_t len = std::min(kBlock, n - off);
-    std::memcpy(payload + off, src + off, len);
-    hash.update(payload + off, len);
-  }
-  if (hash.digest() != decode_trailer(data + prefix + n)) return miss(c.corrupt);
-  TierCounters::add(c.bytes_read, static_cast<int64_t>(size));
-  if (is_expired(h.created_ms, want)) return miss(c.expired);
-  std::vector<uint32_t> tokens(static_cast<size_t>(h.chunk));
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    const unsigned char* p = data + kEntryHeaderBytes + 4 * i;
-    tokens[i] = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-                static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
-  }
-  if (!same_chunk(h, tokens.data(), want)) {
-    TierCounters::add(c.misses);
-    return LoadResult::kCollision;
-  }
-  *meta = LoadedMeta::of(h);
-  return LoadResult::kHit;
+  const EntryCheck r = verify_entry(data, size, want, copy, payload, &h);
+  const LoadResult result = count_check(r, size, *counters);
+  *drop = r == EntryCheck::kCorrupt || r == EntryCheck::kExpired;
+  if (result == LoadResult::kHit) *meta = LoadedMeta::of(h);
+  return result;
 }
 
 struct RedisTier::Impl {
   Impl(const StoreOptions& o, TierCounters* c, RemoteCounters* r)
-      : options(o), counters(c), remote(r), backoff_ms(o.redis_retry_min_ms) {}
+      : options(o), counters(c), remote(r), pool(o, parse_redis_url(o.redis_url), c, r) {}
 
   StoreOptions options;
   TierCounters* counters;
   RemoteCounters* remote;
-  std::string host = "127.0.0.1";
-  int port = 6379;
-  int db = 0;
-  std::string user, password;
   std::string key_prefix;  // "<prefix>:v1:"
   std::string filter_key, lock_key;
-
-  // Connection pool.
-  std::mutex pool_mu;
-  std::condition_variable pool_cv;
-  std::vector<redisContext*> idle;
-  int open = 0;
-  std::atomic<bool> down{false};
-  std::atomic<int64_t> epoch{0};  // RedisTier::epoch()
-  std::atomic<int64_t> retry_at_ns{0};
-  int backoff_ms;  // guarded by pool_mu
-  std::atomic<bool> probing{false};
+  RedisPool pool;
 
   // Filter.
   std::shared_ptr<FilterCopy> filter;  // read and replaced with std::atomic_load / _store
@@ -323,175 +134,8 @@ struct RedisTier::Impl {
   std::condition_variable worker_cv;
   bool stop = false;
 
-  // --- connections ---------------------------------------------------------------------------
-
-  redisContext* connect() {
-    redisContext* c = redisConnectWithTimeout(host.c_str(), port,
-                                              to_timeval(options.redis_connect_timeout_ms));
-    if (!c) return nullptr;
-    if (c->err) {
-      redisFree(c);
-      return nullptr;
-    }
-    // Setup commands get the connect timeout: a server that accepts connections but does not
-    // answer (stopped, overloaded) counts as unreachable.
-    redisSetTimeout(c, to_timeval(options.redis_connect_timeout_ms));
-    auto ok = [&](Reply r, bool status_ok) {
-      return r && !c->err && r->type != REDIS_REPLY_ERROR &&
-             (!status_ok || r->type == REDIS_REPLY_STATUS);
-    };
-    bool good = true;
-    if (!password.empty()) {
-      if (user.empty()) {
-        good = ok(Reply(static_cast<redisReply*>(
-                      redisCommand(c, "AUTH %b", password.data(), password.size()))),
-                  true);
-      } else {
-        good = ok(Reply(static_cast<redisReply*>(redisCommand(
-                      c, "AUTH %b %b", user.data(), user.size(), password.data(),
-                      password.size()))),
-                  true);
-      }
-    }
-    if (good && db != 0) {
-      good = ok(Reply(static_cast<redisReply*>(redisCommand(c, "SELECT %d", db))), true);
-    }
-    if (good) good = ok(Reply(static_cast<redisReply*>(redisCommand(c, "PING"))), true);
-    if (!good) {
-      redisFree(c);
-      return nullptr;
-    }
-    redisSetTimeout(c, to_timeval(options.redis_command_timeout_ms));
-    redisEnableKeepAlive(c);
-    install_capture(c);
-    return c;
-  }
-
-  void mark_down() {
-    std::vector<redisContext*> stale;
-    {
-      std::lock_guard<std::mutex> lock(pool_mu);
-      down.store(true);
-      epoch.fetch_add(1);  // what was written before may be gone (a restarted server)
-      stale.swap(idle);  // probably dead too (a restarted server)
-      open -= static_cast<int>(stale.size());
-      retry_at_ns.store(steady_ns() + int64_t{backoff_ms} * 1000000);
-      backoff_ms = std::min(backoff_ms * 2, options.redis_retry_max_ms);
-    }
-    pool_cv.notify_all();
-    for (redisContext* c : stale) redisFree(c);
-  }
-
-  // A connection, or nullptr when the tier is down (then `background` callers are not counted
-  // as skipped operations).
-  redisContext* acquire(bool background) {
-    if (down.load()) {
-      bool expected = false;
-      if (steady_ns() < retry_at_ns.load() || !probing.compare_exchange_strong(expected, true)) {
-        if (!background) TierCounters::add(remote->skipped);
-        return nullptr;
-      }
-      redisContext* c = connect();
-      if (!c) {
-        mark_down();
-        probing.store(false);
-        if (!background) {
-          TierCounters::add(counters->errors);
-        }
-        return nullptr;
-      }
-      {
-        std::lock_guard<std::mutex> lock(pool_mu);
-        ++open;
-        backoff_ms = options.redis_retry_min_ms;
-        down.store(false);
-      }
-      probing.store(false);
-      TierCounters::add(remote->reconnects);
-      return c;
-    }
-    std::unique_lock<std::mutex> lock(pool_mu);
-    const auto deadline =
-        Clock::now() + std::chrono::milliseconds(options.redis_command_timeout_ms);
-    while (idle.empty() && open >= options.redis_pool_size) {
-      if (pool_cv.wait_until(lock, deadline) == std::cv_status::timeout || down.load()) {
-        if (!background) TierCounters::add(remote->skipped);
-        return nullptr;
-      }
-    }
-    if (!idle.empty()) {
-      redisContext* c = idle.back();
-      idle.pop_back();
-      return c;
-    }
-    ++open;
-    lock.unlock();
-    redisContext* c = connect();
-    if (!c) {
-      {
-        std::lock_guard<std::mutex> relock(pool_mu);
-        --open;
-      }
-      TierCounters::add(counters->errors);
-      mark_down();
-    }
-    return c;
-  }
-
-  // Returns a connection; a broken one is closed and marks the tier down.
-  void release(redisContext* c) {
-    if (c->err) {
-      redisFree(c);
-      {
-        std::lock_guard<std::mutex> lock(pool_mu);
-        --open;
-      }
-      TierCounters::add(counters->errors);
-      mark_down();
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(pool_mu);
-      idle.push_back(c);
-    }
-    pool_cv.notify_one();
-  }
-
-  // Reads `n` replies of the commands appended to c, timing the round trip. Empty on a
-  // connection failure (c->err set).
-  std::vector<Reply> replies(redisContext* c, size_t n, int64_t started_ns) {
-    std::vector<Reply> out;
-    out.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      void* r = nullptr;
-      if (redisGetReply(c, &r) != REDIS_OK || !r) {
-        if (!c->err) c->err = REDIS_ERR_IO;  // no reply: treat the connection as broken
-        return {};
-      }
-      out.emplace_back(static_cast<redisReply*>(r));
-    }
-    remote->record_latency(steady_ns() - started_ns);
-    return out;
-  }
-
-  // One command, argv form. nullptr on failure (counted; a broken connection marks the tier
-  // down).
   Reply command(const std::vector<std::string>& args, bool background = false) {
-    redisContext* c = acquire(background);
-    if (!c) return nullptr;
-    std::vector<const char*> argv;
-    std::vector<size_t> lens;
-    for (const std::string& a : args) {
-      argv.push_back(a.data());
-      lens.push_back(a.size());
-    }
-    const int64_t t0 = steady_ns();
-    redisAppendCommandArgv(c, static_cast<int>(argv.size()), argv.data(), lens.data());
-    std::vector<Reply> r = replies(c, 1, t0);
-    release(c);
-    if (r.empty()) return nullptr;
-    if (r[0]->type == REDIS_REPLY_ERROR) TierCounters::add(counters->errors);
-    return std::move(r[0]);
+    return pool.command(args, background);
   }
 
   // --- filter --------------------------------------------------------------------------------
@@ -502,15 +146,6 @@ struct RedisTier::Impl {
     if (auto f = current_filter()) f->add(key);
     std::lock_guard<std::mutex> lock(recent_mu);
     if (refreshing) recent.push_back(key);
-  }
-
-  std::string filter_header(int probes, int log2_bits, bool ready) const {
-    std::string h(kFilterMagic, 4);
-    h.push_back(1);
-    h.push_back(static_cast<char>(probes));
-    h.push_back(static_cast<char>(log2_bits));
-    h.push_back(ready ? 1 : 0);
-    return h;
   }
 
   // Fetches the shared filter; installs it when ready, else drops the local copy (filtering
@@ -561,9 +196,7 @@ struct RedisTier::Impl {
       if (!command({"DEL", filter_key}, background)) return unlock();
     }
     // Create it empty and not ready (keep a half-built one: its bits are all still valid).
-    int log2_bits = kFilterMinLog2;
-    while (log2_bits < kFilterMaxLog2 && (int64_t{1} << log2_bits) < options.redis_filter_bits)
-      ++log2_bits;
+    const int log2_bits = filter_log2_bits(options.redis_filter_bits);
     std::string value = filter_header(options.redis_filter_hashes, log2_bits, false);
     value.resize(kFilterHeader + (size_t{1} << log2_bits) / 8, '\0');
     if (!command({"SET", filter_key, value, "NX"}, background)) return unlock();
@@ -610,8 +243,6 @@ struct RedisTier::Impl {
     }
   }
 
-  void parse_url(const std::string& url);
-
   // SCAN + UNLINK of every key matching `pattern` (and, when `adapter` is set, whose value's
   // provenance names that adapter: checked by a script on the server, one per SCAN page).
   // Returns the keys removed.
@@ -652,8 +283,7 @@ struct RedisTier::Impl {
 
 RedisTier::RedisTier(const StoreOptions& options, TierCounters* counters,
                      RemoteCounters* remote)
-    : impl_(std::make_unique<Impl>(options, counters, remote)) {
-  Impl& m = *impl_;
+{
   KVB_CHECK(options.redis_connect_timeout_ms > 0 && options.redis_command_timeout_ms > 0,
             "redis timeouts must be > 0 ms");
   KVB_CHECK(options.redis_pool_size >= 1, "redis_pool_size must be >= 1");
@@ -670,7 +300,8 @@ RedisTier::RedisTier(const StoreOptions& options, TierCounters* counters,
   KVB_CHECK(options.redis_filter_hashes >= 1 && options.redis_filter_hashes <= 16,
             "redis_filter_hashes must be in [1, 16], got " << options.redis_filter_hashes);
   KVB_CHECK(options.redis_filter_refresh_ms > 0, "redis_filter_refresh_ms must be > 0");
-  m.parse_url(options.redis_url);
+  impl_ = std::make_unique<Impl>(options, counters, remote);
+  Impl& m = *impl_;
   std::string p;
   percent_encode_into(&p, options.redis_key_prefix);
   m.key_prefix = p + ":v1:";
@@ -678,7 +309,7 @@ RedisTier::RedisTier(const StoreOptions& options, TierCounters* counters,
   m.lock_key = m.key_prefix + "filter-lock";
   // First contact in this thread (bounded by the timeouts), so the filter is in use at once.
   m.refresh(/*background=*/true);
-  if (!m.current_filter() && options.redis_filter && !m.down.load()) m.refresh(true);
+  if (!m.current_filter() && options.redis_filter && !m.pool.down()) m.refresh(true);
   m.worker = std::thread([this] { impl_->run_worker(); });
 }
 
@@ -690,7 +321,6 @@ RedisTier::~RedisTier() {
   }
   m.worker_cv.notify_all();
   m.worker.join();
-  for (redisContext* c : m.idle) redisFree(c);
 }
 
 std::string RedisTier::key_for(std::string_view ns, const Fingerprint& fp,
@@ -709,7 +339,7 @@ bool RedisTier::may_contain(const Hash128& key) const {
   return !f || f->test(key);
 }
 
-int64_t RedisTier::epoch() const { return impl_->epoch.load(); }
+int64_t RedisTier::epoch() const { return impl_->pool.epoch(); }
 
 bool RedisTier::filter_active() const { return impl_->current_filter() != nullptr; }
 
@@ -721,10 +351,7 @@ bool RedisTier::fetch(const std::vector<std::string>& keys, const ValueConsumer&
   args.reserve(keys.size() + 1);
   args.emplace_back("MGET");
   args.insert(args.end(), keys.begin(), keys.end());
-  struct Capture {
-    explicit Capture(const ValueConsumer* c) { t_consumer = c; }
-    ~Capture() { t_consumer = nullptr; }
-  } capture(&consume);
+  ValueCapture capture(&consume);
   Reply r = m.command(args);
   return r && r->type == REDIS_REPLY_ARRAY && r->elements == keys.size();
 }
@@ -732,7 +359,7 @@ bool RedisTier::fetch(const std::vector<std::string>& keys, const ValueConsumer&
 bool RedisTier::store(const std::vector<Write>& writes, int64_t ttl_ms) {
   Impl& m = *impl_;
   if (writes.empty()) return true;
-  redisContext* c = m.acquire(false);
+  redisContext* c = m.pool.acquire(false);
   if (!c) {
     TierCounters::add(m.counters->write_failures, static_cast<int64_t>(writes.size()));
     return false;
@@ -745,38 +372,25 @@ bool RedisTier::store(const std::vector<Write>& writes, int64_t ttl_ms) {
   size_t total_bytes = 0;
   for (const Write& w : writes)
     total_bytes += w.prefix_bytes + w.payload_bytes + kEntryTrailerBytes;
-  // Each SET is written in RESP by hand straight into the connection's output buffer (an sds
-  // string, grown once), so a value's three parts are copied once, as a plain SET copies its
-  // value once.
-  bool appended = true;
-  auto grow = [&](sds s) {
-    if (s) {
-      c->obuf = s;
-    } else {
-      appended = false;  // the old buffer stays valid and owned by the context
-    }
-  };
-  grow(sdsMakeRoomFor(c->obuf, total_bytes + 256 * writes.size()));
-  auto append = [&](const void* data, size_t n) {
-    if (appended) grow(sdscatlen(c->obuf, data, n));
-  };
-  auto append_str = [&](const std::string& str) { append(str.data(), str.size()); };
+  RespWriter out(c, total_bytes + 256 * writes.size());
   for (const Write& w : writes) {
     unsigned char trailer[kEntryTrailerBytes];
     encode_trailer(w.checksum, trailer);
-    const size_t vlen = w.prefix_bytes + w.payload_bytes + sizeof trailer;
-    append_str(std::string(ttl_ms > 0 ? "*5\r\n" : "*3\r\n") + "$3\r\nSET\r\n$" +
-               std::to_string(w.key.size()) + "\r\n" + w.key + "\r\n$" + std::to_string(vlen) +
-               "\r\n");
-    append(w.prefix, w.prefix_bytes);
-    append(w.payload, w.payload_bytes);
-    append(trailer, sizeof trailer);
-    append_str("\r\n");
-    if (ttl_ms > 0) append_str("$2\r\nPX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n");
+    out.array(ttl_ms > 0 ? 5 : 3);
+    out.bulk("SET");
+    out.bulk(w.key);
+    out.bulk_begin(w.prefix_bytes + w.payload_bytes + sizeof trailer);
+    out.part(w.prefix, w.prefix_bytes);
+    out.part(w.payload, w.payload_bytes);
+    out.part(trailer, sizeof trailer);
+    out.bulk_end();
+    if (ttl_ms > 0) {
+      out.bulk("PX");
+      out.bulk(ttl);
+    }
   }
-  if (!appended) {  // out of memory: this connection's buffer is unusable
-    c->err = REDIS_ERR_OOM;
-    m.release(c);
+  if (!out.finish()) {  // out of memory: this connection's buffer is unusable
+    m.pool.release(c);
     TierCounters::add(m.counters->write_failures, static_cast<int64_t>(writes.size()));
     return false;
   }
@@ -785,16 +399,10 @@ bool RedisTier::store(const std::vector<Write>& writes, int64_t ttl_ms) {
     eval.push_back(std::to_string(probe_h1(w.hash)));
     eval.push_back(std::to_string(probe_h2(w.hash)));
   }
-  std::vector<const char*> argv;
-  std::vector<size_t> lens;
-  for (const std::string& a : eval) {
-    argv.push_back(a.data());
-    lens.push_back(a.size());
-  }
-  redisAppendCommandArgv(c, static_cast<int>(argv.size()), argv.data(), lens.data());
+  append_command(c, eval);
   redisAppendCommand(c, "EXEC");
-  std::vector<Reply> r = m.replies(c, writes.size() + 3, t0);
-  m.release(c);
+  std::vector<Reply> r = m.pool.replies(c, writes.size() + 3, t0);
+  m.pool.release(c);
   bool ok = !r.empty() && r.back()->type == REDIS_REPLY_ARRAY &&
             r.back()->elements == writes.size() + 1;
   if (ok) {
@@ -844,45 +452,6 @@ int64_t RedisTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& 
 int64_t RedisTier::clear() {
   bool complete = true;
   return impl_->delete_matching(impl_->glob_prefix() + "*", &complete);
-}
-
-void RedisTier::Impl::parse_url(const std::string& url) {
-  Impl* m = this;
-  const std::string scheme = "redis://";
-  KVB_CHECK(url.compare(0, scheme.size(), scheme) == 0,
-            "redis_url: expected redis://[[user]:password@]host[:port][/db], got '" << url
-                                                                                    << "'");
-  std::string rest = url.substr(scheme.size());
-  const size_t at = rest.rfind('@');
-  if (at != std::string::npos) {
-    const std::string auth = rest.substr(0, at);
-    rest = rest.substr(at + 1);
-    const size_t colon = auth.find(':');
-    KVB_CHECK(colon != std::string::npos,
-              "redis_url: credentials must be [user]:password, got '" << auth << "'");
-    m->user = auth.substr(0, colon);
-    m->password = auth.substr(colon + 1);
-  }
-  const size_t slash = rest.find('/');
-  if (slash != std::string::npos) {
-    const std::string db = rest.substr(slash + 1);
-    rest = rest.substr(0, slash);
-    if (!db.empty()) {
-      KVB_CHECK(db.find_first_not_of("0123456789") == std::string::npos && db.size() < 6,
-                "redis_url: bad database number '" << db << "'");
-      m->db = std::stoi(db);
-    }
-  }
-  const size_t colon = rest.rfind(':');
-  if (colon != std::string::npos && rest.find(']') == std::string::npos) {
-    const std::string port = rest.substr(colon + 1);
-    KVB_CHECK(!port.empty() && port.find_first_not_of("0123456789") == std::string::npos &&
-                  port.size() <= 5 && std::stoi(port) > 0 && std::stoi(port) < 65536,
-              "redis_url: bad port '" << port << "'");
-    m->port = std::stoi(port);
-    rest = rest.substr(0, colon);
-  }
-  if (!rest.empty()) m->host = rest;
 }
 
 }  // namespace kvbridge::detail

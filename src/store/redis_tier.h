@@ -1,10 +1,12 @@
 // The Redis tier, through hiredis: one packed entry (entry_codec.h) per key
 //   <prefix>:v1:<namespace, percent-encoded>:<fingerprint>:<chunk key hex>
-// plus the shared Bloom filter <prefix>:v1:filter (docs/storage.md). A pool of blocking
-// connections with connect and command timeouts; after a failure the tier is marked down and
-// every operation is an instant, counted miss until a retry (exponential backoff) reconnects.
-// A background thread refreshes the local filter copy and rebuilds the shared filter when it
-// is missing. Thread-safe; no method throws.
+// plus the shared Bloom filter <prefix>:v1:filter (docs/storage.md). Connections come from a
+// pool (redis_pool.h: timeouts; after a failure the tier is marked down and every operation is
+// an instant, counted miss until a retry with exponential backoff reconnects); writes are RESP
+// written straight into the connection's buffer (redis_resp.h); the filter's format and local
+// copy are redis_filter.h; the URL is parsed by redis_url.h. A background thread refreshes the
+// local filter copy and rebuilds the shared filter when it is missing. Thread-safe; no method
+// throws but the constructor.
 #pragma once
 
 #include <array>
@@ -20,13 +22,19 @@ namespace kvbridge::detail {
 
 /// Counters of the remote side (RemoteStats without the filter state).
 struct RemoteCounters {
-  std::atomic<int64_t> round_trips{0}, skipped{0}, reconnects{0}, filter_negatives{0},
-      filter_passes{0}, filter_false_positives{0}, filter_refreshes{0}, filter_rebuilds{0};
+  KVBRIDGE_REMOTE_COUNTERS(KVBRIDGE_STATS_ATOMIC_)
   std::atomic<int64_t> latency_ns_sum{0};
   std::array<std::atomic<int64_t>, RemoteStats::kLatencyBuckets> latency_buckets{};
   void record_latency(int64_t ns);
   void fill(RemoteStats* s) const;
 };
+
+/// Sees one present value of a fetch where hiredis parsed it (`data` is valid only during the
+/// call, and the value is never copied into a reply object): index into the keys, bytes. Must
+/// not throw (it runs inside hiredis's parser; an exception is swallowed, the value then counts
+/// as absent).
+using RedisValueConsumer =
+    std::function<void(size_t index, const unsigned char* data, size_t size)>;
 
 /// Verifies a fetched value against the lookup and copies its payload (want.payload_bytes) to
 /// `payload`; on kHit sets *meta. Counts misses, corrupt and expired values in `counters`;
@@ -48,11 +56,7 @@ class RedisTier {
   /// False only when the filter is active and says the key is surely absent.
   bool may_contain(const Hash128& key) const;
 
-  /// Sees one present value of a fetch where hiredis parsed it (`data` is valid only during
-  /// the call, and the value is never copied into a reply object): index into the keys, bytes.
-  /// Must not throw (it runs inside hiredis's parser; an exception is swallowed, the value then
-  /// counts as absent).
-  using ValueConsumer = std::function<void(size_t index, const unsigned char* data, size_t size)>;
+  using ValueConsumer = RedisValueConsumer;
   /// GETs `keys` in one MGET, handing each present value to `consume`. False (counted) when the
   /// tier is down or the command failed; then every key counts as a miss.
   bool fetch(const std::vector<std::string>& keys, const ValueConsumer& consume);

@@ -10,39 +10,18 @@
 
 namespace kvbridge::detail {
 
+#define KVBRIDGE_STATS_ATOMIC_(type, member, metric, kind, help) std::atomic<int64_t> member{0};
+#define KVBRIDGE_STATS_LOAD_(type, member, metric, kind, help) \
+  s->member = member.load(std::memory_order_relaxed);
+
+/// TierStats' counted fields (KVBRIDGE_TIER_COUNTERS), as atomics.
 struct TierCounters {
-  std::atomic<int64_t> hit_chunks{0}, misses{0}, writes{0}, write_failures{0}, evictions{0},
-      expired{0}, corrupt{0}, errors{0}, bytes_read{0}, bytes_written{0};
+  KVBRIDGE_TIER_COUNTERS(KVBRIDGE_STATS_ATOMIC_)
 
   static void add(std::atomic<int64_t>& c, int64_t n = 1) {
     c.fetch_add(n, std::memory_order_relaxed);
   }
-  void fill(TierStats* s) const {
-    auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
-    s->hit_chunks = get(hit_chunks);
-    s->misses = get(misses);
-    s->writes = get(writes);
-    s->write_failures = get(write_failures);
-    s->evictions = get(evictions);
-    s->expired = get(expired);
-    s->corrupt = get(corrupt);
-    s->errors = get(errors);
-    s->bytes_read = get(bytes_read);
-    s->bytes_written = get(bytes_written);
-  }
-};
-
-/// The entry a lookup accepts: everything a stored header must agree with.
-struct ExpectedEntry {
-  Hash128 key, parent, salt;
-  Fingerprint fingerprint{};
-  DType dtype = DType::kFloat32;
-  StorageFormat storage = StorageFormat::kNative;
-  int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
-  int64_t payload_bytes = 0;  // stored bytes (stored_payload_bytes)
-  const uint32_t* tokens = nullptr;  // chunk ids
-  int64_t now_ms = 0;
-  int64_t ttl_ms = 0;  // 0: no expiry
+  void fill(TierStats* s) const { KVBRIDGE_TIER_COUNTERS(KVBRIDGE_STATS_LOAD_) }
 };
 
 /// What a verified hit reports besides its payload.
@@ -58,24 +37,17 @@ enum class LoadResult {
   kCollision,  // a valid entry for this key, but of other tokens / parent / salt
 };
 
-/// Geometry and identity check of a decoded header against the lookup. Returns false when the
-/// header cannot belong to this key (counted as corrupt by the caller).
-inline bool header_fits(const EntryHeader& h, const ExpectedEntry& want) {
-  return h.key == want.key && h.fingerprint == want.fingerprint && h.dtype == want.dtype &&
-         h.storage == want.storage && h.layers == want.layers && h.chunk == want.chunk && h.kv_heads == want.kv_heads &&
-         h.head_dim == want.head_dim && h.payload_bytes == want.payload_bytes;
-}
-
-/// True when the verified entry is the chunk the lookup asks for.
-inline bool same_chunk(const EntryHeader& h, const uint32_t* tokens, const ExpectedEntry& want) {
-  if (h.salt != want.salt || h.parent != want.parent) return false;
-  for (int64_t i = 0; i < want.chunk; ++i)
-    if (tokens[i] != want.tokens[i]) return false;
-  return true;
-}
-
-inline bool is_expired(int64_t created_ms, const ExpectedEntry& want) {
-  return want.ttl_ms > 0 && want.now_ms - created_ms >= want.ttl_ms;
+/// Counts what verify_entry found (anything but kUnreadable, which each tier counts by its
+/// cause) and gives the lookup's result: a collision and each reason for a miss count a miss;
+/// corrupt and expired entries also count by reason; every entry read whole whose checksum held
+/// adds its `total_bytes` to bytes_read.
+inline LoadResult count_check(EntryCheck r, size_t total_bytes, TierCounters& c) {
+  if (r != EntryCheck::kCorrupt) TierCounters::add(c.bytes_read, static_cast<int64_t>(total_bytes));
+  if (r == EntryCheck::kValid) return LoadResult::kHit;
+  TierCounters::add(c.misses);
+  if (r == EntryCheck::kOtherChunk) return LoadResult::kCollision;
+  TierCounters::add(r == EntryCheck::kExpired ? c.expired : c.corrupt);
+  return LoadResult::kMiss;
 }
 
 }  // namespace kvbridge::detail

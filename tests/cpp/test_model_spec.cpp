@@ -3,6 +3,9 @@
 #include <cmath>
 #include <cstdint>
 #include <set>
+#include <string>
+#include <type_traits>
+#include <vector>
 
 #include "test_util.h"
 
@@ -32,6 +35,62 @@ TEST(ModelSpec, FingerprintCoversEveryField) {
   EXPECT_EQ(copy, base);
   EXPECT_EQ(copy.fingerprint(), base.fingerprint());
   EXPECT_EQ(base.fingerprint().size(), 32u);
+}
+
+// Every field for_each_spec_field lists (rope_scaling's included) changes the fingerprint
+// and equality when perturbed alone.
+TEST(ModelSpec, EveryListedFieldIsPartOfTheIdentity) {
+  ModelSpec base = testing::small_spec();
+  base.rope_scaling.type = RopeScaling::Type::kLlama3;
+  auto perturb = [](auto& v) {
+    using T = std::decay_t<decltype(v)>;
+    if constexpr (std::is_same_v<T, std::string>) {
+      v += "x";
+    } else if constexpr (std::is_same_v<T, int64_t>) {
+      v += 2;
+    } else if constexpr (std::is_same_v<T, double>) {
+      v *= 1.5;
+    } else if constexpr (std::is_same_v<T, DType>) {
+      v = v == DType::kFloat32 ? DType::kBFloat16 : DType::kFloat32;
+    } else if constexpr (std::is_same_v<T, RopeStyle>) {
+      v = v == RopeStyle::kHalf ? RopeStyle::kInterleaved : RopeStyle::kHalf;
+    } else {
+      v = v == RopeScaling::Type::kNone ? RopeScaling::Type::kLinear : RopeScaling::Type::kNone;
+    }
+  };
+  std::vector<std::string> names;
+  for_each_spec_field(
+      [&](const char* name, const auto& value) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
+          for_each_rope_scaling_field(
+              [&](const char* sub, const auto&) { names.push_back(std::string(name) + "." + sub); },
+              value);
+        } else {
+          names.push_back(name);
+        }
+      },
+      base);
+  ASSERT_EQ(names.size(), 14u);
+  std::set<std::string> seen{base.fingerprint()};
+  for (size_t i = 0; i < names.size(); ++i) {
+    ModelSpec v = base;
+    size_t k = 0;
+    for_each_spec_field(
+        [&](const char*, auto& value) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
+            for_each_rope_scaling_field(
+                [&](const char*, auto& f) {
+                  if (k++ == i) perturb(f);
+                },
+                value);
+          } else {
+            if (k++ == i) perturb(value);
+          }
+        },
+        v);
+    EXPECT_NE(v, base) << names[i];
+    EXPECT_TRUE(seen.insert(v.fingerprint()).second) << names[i];
+  }
 }
 
 TEST(ModelSpec, FieldBoundariesCannotAlias) {

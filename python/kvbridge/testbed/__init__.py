@@ -51,6 +51,7 @@ import torch
 
 from kvbridge import _core, specs
 from kvbridge._tensors import cache_layers
+from kvbridge._core import InvalidArgumentError
 
 MODELS_DIR = pathlib.Path(__file__).resolve().parent / "models"
 #: The byte-level tokenizer's folder (testbed-a and testbed-b).
@@ -115,7 +116,7 @@ class ByteTokenizer:
         raw = path.read_bytes()
         cfg = json.loads(raw)
         if cfg.get("type") != "bytes" or cfg.get("num_bytes") != 256:
-            raise ValueError(f"{path}: not a byte-level tokenizer definition")
+            raise InvalidArgumentError(f"{path}: not a byte-level tokenizer definition")
         self.bos_id = int(cfg["bos_id"])
         self.eos_id = int(cfg["eos_id"])
         self.pad_id = int(cfg["pad_id"])
@@ -339,7 +340,7 @@ def model_spec(hf_model: Any, name: str, version: Optional[str] = None,
 def load_model(name: str, models_dir: Union[str, "os.PathLike[str]", None] = None) -> TestbedModel:
     """Loads one shipped model offline (local files only), in eval mode, as float32."""
     if name not in MODEL_NAMES:
-        raise ValueError(f"load_model: expected one of {MODEL_NAMES}, got {name!r}")
+        raise InvalidArgumentError(f"load_model: expected one of {MODEL_NAMES}, got {name!r}")
     from transformers import AutoModelForCausalLM
 
     path = pathlib.Path(models_dir or MODELS_DIR) / name
@@ -372,7 +373,7 @@ def prefill(model: Union[TestbedModel, Any],
     ([B, kv_heads, T, head_dim] key, value) pair per layer)."""
     hf_model = model.model if isinstance(model, TestbedModel) else model
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError("prefill: input_ids must be a [batch, tokens] LongTensor")
+        raise InvalidArgumentError("prefill: input_ids must be a [batch, tokens] LongTensor")
     out = hf_model(input_ids, use_cache=True)
     return out.logits, tuple(cache_layers(out.cache))
 
@@ -404,7 +405,7 @@ def sequence_loss(model: Union[TestbedModel, Any], texts_: Sequence[str],
         units += sum(1 if role == "eos" else e - s
                      for (s, e), role in zip(offsets[1:MAX_CONTEXT], roles[1:MAX_CONTEXT]))
     if not seqs:
-        raise ValueError("sequence_loss: no text with at least two tokens")
+        raise InvalidArgumentError("sequence_loss: no text with at least two tokens")
     seqs.sort(key=len)
     total, count = 0.0, 0
     for start in range(0, len(seqs), batch_size):
@@ -458,7 +459,7 @@ def texts(split: str) -> List[str]:
         return [t for i, t in enumerate(all_texts) if i % every != every - 1]
     if split == "heldout":
         return [t for i, t in enumerate(all_texts) if i % every == every - 1]
-    raise ValueError(f"texts: expected 'train' or 'heldout', got {split!r}")
+    raise InvalidArgumentError(f"texts: expected 'train' or 'heldout', got {split!r}")
 
 
 __all__ = [

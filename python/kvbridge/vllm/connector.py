@@ -42,6 +42,7 @@ from kvbridge.bridge import Bridge
 from kvbridge.store import KVStore
 from kvbridge.vllm import paged
 from kvbridge.vllm.options import ConnectorOptions, engine_spec, parse_options
+from kvbridge._core import InvalidArgumentError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,11 +102,11 @@ class _Shared:
         for path in options.adapters:
             adapter = LinearAdapter.load(path)
             if adapter.target != spec:
-                raise ValueError(
-                    f"KVBridgeConnector: adapter {path} converts to {adapter.target.name} "
-                    f"(fingerprint {adapter.target.fingerprint}), but this engine serves "
-                    f"{spec.name} (fingerprint {spec.fingerprint}); its target spec "
-                    f"{_spec_fields(adapter.target)} != served {_spec_fields(spec)}")
+                raise InvalidArgumentError(
+                              f"KVBridgeConnector: adapter {path} converts to {adapter.target.name} "
+                              f"(fingerprint {adapter.target.fingerprint}), but this engine serves "
+                              f"{spec.name} (fingerprint {spec.fingerprint}); its target spec "
+                              f"{_spec_fields(adapter.target)} != served {_spec_fields(spec)}")
             self.bridge.add_adapter(adapter)
             self.adapters.append(adapter)
         # Sources the probe looks at: adapters the Bridge would use (quality gate).
@@ -261,7 +262,7 @@ _LAYER_INDEX = re.compile(r"(\d+)")
 def _layer_index(name: str) -> int:
     found = _LAYER_INDEX.findall(name)
     if not found:
-        raise ValueError(f"KVBridgeConnector: no layer index in attention layer name {name!r}")
+        raise InvalidArgumentError(f"KVBridgeConnector: no layer index in attention layer name {name!r}")
     return int(found[-1])
 
 
@@ -317,10 +318,10 @@ def check_cpu_layout(dtype: torch.dtype, heads: int, block_size: int, head_dim: 
     keys, values = paged.kv_views(scratch, "cpu", head_dim)
     k, v = paged.gather(keys, values, [0], block_size)
     if not (torch.equal(k[0].transpose(0, 1), key) and torch.equal(v[0].transpose(0, 1), value)):
-        raise ValueError(f"KVBridgeConnector: vLLM's CPU attention ISA {isa!r} ({dtype}, block "
-                         f"size {block_size}, head dim {head_dim}) lays out its KV blocks in a "
-                         "way kvbridge.vllm.paged does not read; this combination is not "
-                         "supported")
+        raise InvalidArgumentError(f"KVBridgeConnector: vLLM's CPU attention ISA {isa!r} ({dtype}, block "
+                                   f"size {block_size}, head dim {head_dim}) lays out its KV blocks in a "
+                                   "way kvbridge.vllm.paged does not read; this combination is not "
+                                   "supported")
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
@@ -331,9 +332,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise ValueError("KVBridgeConnector: tensor and pipeline parallel sizes must be 1, "
-                             f"got {parallel.tensor_parallel_size} and "
-                             f"{parallel.pipeline_parallel_size}")
+            raise InvalidArgumentError("KVBridgeConnector: tensor and pipeline parallel sizes must be 1, "
+                                       f"got {parallel.tensor_parallel_size} and "
+                                       f"{parallel.pipeline_parallel_size}")
         tc = self._kv_transfer_config
         # A failed load must mean "recompute these blocks", never "fail the request"
         # (vLLM's default policy); the scheduler reads this after creating its connector.
@@ -502,8 +503,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=_layer_index)
         if len(names) != self._spec.num_layers:
-            raise ValueError(f"KVBridgeConnector: {len(names)} attention layers with a KV "
-                             f"cache, but {self._spec.name} has {self._spec.num_layers}")
+            raise InvalidArgumentError(f"KVBridgeConnector: {len(names)} attention layers with a KV "
+                                       f"cache, but {self._spec.name} has {self._spec.num_layers}")
         first = kv_caches[names[0]]
         layout = self._options.layout or ("cpu" if first.device.type == "cpu" else "split")
         if layout == "cpu":
@@ -514,8 +515,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         for name in names:
             kv = kv_caches[name]
             if kv.dtype != want:
-                raise ValueError(f"KVBridgeConnector: layer {name} caches {kv.dtype}, the spec "
-                                 f"says {self._spec.dtype}")
+                raise InvalidArgumentError(f"KVBridgeConnector: layer {name} caches {kv.dtype}, the spec "
+                                           f"says {self._spec.dtype}")
             self._layers.append(paged.kv_views(kv, layout, self._spec.head_dim))
         logger.info("kvbridge: registered %d layers, layout %r, block size %d", len(names),
                     layout, first.shape[2])

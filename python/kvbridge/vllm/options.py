@@ -11,6 +11,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from kvbridge import _args, _core, specs
+from kvbridge._core import InvalidArgumentError
 
 #: Keys of the connector itself (every other key must be a StoreOptions field).
 CONNECTOR_KEYS = ("namespace", "adapters", "min_quality", "write_back", "model_name", "version",
@@ -55,9 +56,9 @@ def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> Connec
     store_names = _store_option_names()
     unknown = sorted(k for k in extra if k not in CONNECTOR_KEYS and k not in store_names)
     if unknown:
-        raise ValueError(f"KVBridgeConnector: unknown kv_connector_extra_config key(s) {unknown}; "
-                         f"expected {sorted(CONNECTOR_KEYS)} or StoreOptions fields "
-                         f"{sorted(store_names)}")
+        raise InvalidArgumentError(f"KVBridgeConnector: unknown kv_connector_extra_config key(s) {unknown}; "
+                                   f"expected {sorted(CONNECTOR_KEYS)} or StoreOptions fields "
+                                   f"{sorted(store_names)}")
     probe = _core.StoreOptions()
     store: Dict[str, Any] = {"capacity_bytes": DEFAULT_CAPACITY_BYTES,
                              "chunk_tokens": int(block_size)}
@@ -69,44 +70,44 @@ def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> Connec
             try:
                 setattr(probe, name, value)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"KVBridgeConnector: bad value {value!r} for {name!r}: {e}") \
+                raise InvalidArgumentError(f"KVBridgeConnector: bad value {value!r} for {name!r}: {e}") \
                     from None
             store[name] = value
     if int(store["chunk_tokens"]) <= 0:
-        raise ValueError(f"KVBridgeConnector: chunk_tokens must be positive, got "
-                         f"{store['chunk_tokens']}")
+        raise InvalidArgumentError(f"KVBridgeConnector: chunk_tokens must be positive, got "
+                                   f"{store['chunk_tokens']}")
     adapters = extra.get("adapters", ())
     if isinstance(adapters, (str, os.PathLike)):
         adapters = (adapters,)
     if not isinstance(adapters, (list, tuple)):
-        raise ValueError("KVBridgeConnector: 'adapters' must be a list of adapter file paths, "
-                         f"got {type(adapters).__name__}")
+        raise InvalidArgumentError("KVBridgeConnector: 'adapters' must be a list of adapter file paths, "
+                                   f"got {type(adapters).__name__}")
     for p in adapters:
         if not os.path.isfile(os.fspath(p)):
-            raise ValueError(f"KVBridgeConnector: adapter file {os.fspath(p)!r} does not exist")
+            raise InvalidArgumentError(f"KVBridgeConnector: adapter file {os.fspath(p)!r} does not exist")
     layout = extra.get("layout")
     if layout is not None and layout not in ("cpu", "split"):
-        raise ValueError(f"KVBridgeConnector: layout must be 'cpu' or 'split', got {layout!r}")
+        raise InvalidArgumentError(f"KVBridgeConnector: layout must be 'cpu' or 'split', got {layout!r}")
     namespace = extra.get("namespace", "default")
     if not isinstance(namespace, str) or not namespace:
-        raise ValueError(f"KVBridgeConnector: namespace must be a non-empty string, got "
-                         f"{namespace!r}")
+        raise InvalidArgumentError(f"KVBridgeConnector: namespace must be a non-empty string, got "
+                                   f"{namespace!r}")
     for key in ("model_name", "version", "tokenizer"):
         if extra.get(key) is not None and not isinstance(extra[key], str):
-            raise ValueError(f"KVBridgeConnector: {key} must be a string, got {extra[key]!r}")
+            raise InvalidArgumentError(f"KVBridgeConnector: {key} must be a string, got {extra[key]!r}")
     # The package's own argument checks, so "0.5" or "false" are refused rather than coerced.
     min_quality = extra.get("min_quality", 0.5)
     try:
         min_quality = _args.number("min_quality", min_quality)
     except TypeError:
-        raise ValueError(f"KVBridgeConnector: min_quality must be a number, got "
-                         f"{min_quality!r}") from None
+        raise InvalidArgumentError(f"KVBridgeConnector: min_quality must be a number, got "
+                                   f"{min_quality!r}") from None
     write_back = extra.get("write_back", True)
     try:
         write_back = _args.flag("write_back", write_back)
     except TypeError:
-        raise ValueError(f"KVBridgeConnector: write_back must be a bool, got "
-                         f"{write_back!r}") from None
+        raise InvalidArgumentError(f"KVBridgeConnector: write_back must be a bool, got "
+                                   f"{write_back!r}") from None
     return ConnectorOptions(
         store=tuple(sorted(store.items())), namespace=namespace,
         adapters=tuple(os.path.abspath(os.fspath(p)) for p in adapters),
@@ -119,15 +120,15 @@ def kv_dtype_name(model_dtype: Any, cache_dtype: str) -> str:
     """The KV dtype of an engine: its cache_dtype, or the model dtype for "auto"."""
     if cache_dtype in (None, "auto"):
         if model_dtype not in _KV_DTYPES:
-            raise ValueError(f"KVBridgeConnector: model dtype {model_dtype} is not a KV dtype "
-                             "kvbridge stores (float32, bfloat16, float16)")
+            raise InvalidArgumentError(f"KVBridgeConnector: model dtype {model_dtype} is not a KV dtype "
+                                       "kvbridge stores (float32, bfloat16, float16)")
         return _KV_DTYPES[model_dtype]
     if cache_dtype in ("float32", "bfloat16", "float16"):
         return cache_dtype
     if cache_dtype in ("half",):
         return "float16"
-    raise ValueError(f"KVBridgeConnector: kv cache dtype {cache_dtype!r} is not supported "
-                     "(float32, bfloat16, float16; quantized vLLM caches are not)")
+    raise InvalidArgumentError(f"KVBridgeConnector: kv cache dtype {cache_dtype!r} is not supported "
+                               "(float32, bfloat16, float16; quantized vLLM caches are not)")
 
 
 def engine_spec(hf_config: Any, model: str, tokenizer: Optional[str], served_name: Any,

@@ -23,6 +23,9 @@ from typing import Sequence, Tuple, Union
 
 import torch
 
+from kvbridge import _core
+from kvbridge._core import InvalidArgumentError
+
 LAYOUTS = ("cpu", "split")
 
 BlockIds = Union[Sequence[int], torch.Tensor]
@@ -34,17 +37,17 @@ def kv_views(kv_layer: torch.Tensor, layout: str, head_dim: int) -> Tuple[torch.
     `kv_layer` (``[num_blocks, kv_heads, block_size, 2 * head_dim]``, see the module
     docstring)."""
     if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        raise InvalidArgumentError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     if kv_layer.dim() != 4 or kv_layer.shape[3] != 2 * head_dim:
-        raise ValueError("kv_layer: expected [num_blocks, kv_heads, block_size, "
-                         f"2 * head_dim = {2 * head_dim}], got {tuple(kv_layer.shape)}")
+        raise InvalidArgumentError("kv_layer: expected [num_blocks, kv_heads, block_size, "
+                                   f"2 * head_dim = {2 * head_dim}], got {tuple(kv_layer.shape)}")
     if layout == "split":
         return kv_layer[..., :head_dim], kv_layer[..., head_dim:]
     blocks, heads, block_size, _ = kv_layer.shape
     s_block, s_head, s_tok, s_c = kv_layer.stride()
     if s_c != 1 or (block_size > 1 and s_tok != 2 * head_dim):
-        raise ValueError("kv_layer: the CPU layout needs each (block, head) interior dense, "
-                         f"got strides {kv_layer.stride()}")
+        raise InvalidArgumentError("kv_layer: the CPU layout needs each (block, head) interior dense, "
+                                   f"got strides {kv_layer.stride()}")
     shape = (blocks, heads, block_size, head_dim)
     base = kv_layer.storage_offset()
     keys = kv_layer.as_strided(shape, (s_block, s_head, 1, block_size), base)
@@ -57,7 +60,7 @@ def _slots(block_ids: BlockIds, block_size: int, start: int, stop: int,
            device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     ids = torch.as_tensor(block_ids, dtype=torch.long)
     if stop > ids.numel() * block_size:
-        raise ValueError(f"tokens [{start}, {stop}) need {-(-stop // block_size)} blocks, "
+        raise InvalidArgumentError(f"tokens [{start}, {stop}) need {-(-stop // block_size)} blocks, "
                          f"got {ids.numel()}")
     pos = torch.arange(start, stop, dtype=torch.long)
     return ids[pos // block_size].to(device), (pos % block_size).to(device)
@@ -82,8 +85,8 @@ def scatter(keys: torch.Tensor, values: torch.Tensor, block_ids: BlockIds, start
     """
     n = src_keys.shape[2]
     if src_keys.shape != src_values.shape or src_keys.dim() != 4 or src_keys.shape[0] != 1:
-        raise ValueError("src_keys, src_values: expected two [1, kv_heads, n, head_dim] tensors, "
-                         f"got {tuple(src_keys.shape)} and {tuple(src_values.shape)}")
+        raise InvalidArgumentError("src_keys, src_values: expected two [1, kv_heads, n, head_dim] tensors, "
+                                   f"got {tuple(src_keys.shape)} and {tuple(src_values.shape)}")
     blk, off = _slots(block_ids, keys.shape[2], start, start + n, keys.device)
     keys[blk, :, off] = src_keys[0].transpose(0, 1).to(keys.device, keys.dtype)
     values[blk, :, off] = src_values[0].transpose(0, 1).to(values.device, values.dtype)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from kvbridge import testbed
+from kvbridge import _core, testbed
+from kvbridge._core import InvalidArgumentError
 
 #: Block size (and the connector's chunk) of the testbed engines.
 BLOCK_SIZE = 32
@@ -34,7 +35,7 @@ def testbed_llm(name: str, extra: Optional[Dict[str, Any]] = None, **kwargs: Any
     from vllm import LLM
 
     if name not in testbed.MODEL_NAMES:
-        raise ValueError(f"testbed_llm: expected one of {testbed.MODEL_NAMES}, got {name!r}")
+        raise InvalidArgumentError(f"testbed_llm: expected one of {testbed.MODEL_NAMES}, got {name!r}")
     opts: Dict[str, Any] = dict(
         model=str(testbed.MODELS_DIR / name), tokenizer=str(testbed.tokenizer_folder(name)),
         skip_tokenizer_init=True, served_model_name=name, dtype="float32",
@@ -86,8 +87,8 @@ def heldout_prompts(count: int, min_tokens: int = 120, max_tokens: int = 200,
             out.append(ids[:n])
         if len(out) == count:
             return out
-    raise ValueError(f"heldout_prompts: fewer than {count} held-out fortunes of {min_tokens} "
-                     "tokens")
+    raise InvalidArgumentError(f"heldout_prompts: fewer than {count} held-out fortunes of {min_tokens} "
+                               "tokens")
 
 
 __all__ = ["ADAPTER", "BLOCK_SIZE", "connector_config", "greedy", "heldout_prompts",
