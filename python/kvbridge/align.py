@@ -18,6 +18,11 @@ from kvbridge import _args, _core
 
 #: The alignment policies, the default first.
 ALIGN_POLICIES = ("seen", "covering")
+# The default, chosen by held-out kept: on the testbed "covering" beats "seen" by 0.10 kept and
+# 0.02 agreement for testbed-c -> testbed-b, and the two are the same alignment for testbed-a ->
+# testbed-c (a byte-level source has a token boundary at every target boundary);
+# benchmarks/recorded/100-cross-tokenizer-eval.md and 110-cross-tokenizer-eval.md.
+DEFAULT_POLICY = "covering"
 
 Offsets = List[Tuple[int, int]]
 Roles = List[Optional[str]]
@@ -49,7 +54,7 @@ def _roles(name: str, roles: Optional[Sequence[Optional[str]]]) -> List[str]:
     return out
 
 
-def align(source_offsets: Any, target_offsets: Any, policy: str = "seen",
+def align(source_offsets: Any, target_offsets: Any, policy: str = DEFAULT_POLICY,
           source_roles: Optional[Sequence[Optional[str]]] = None,
           target_roles: Optional[Sequence[Optional[str]]] = None) -> np.ndarray:
     """The alignment of a target tokenization onto a source tokenization of one text.
@@ -162,7 +167,8 @@ class TextAlignment:
     index: np.ndarray  # int64, one per target token: source index or -1
 
 
-def align_text(source_tokenizer: Any, target_tokenizer: Any, text: str, policy: str = "seen",
+def align_text(source_tokenizer: Any, target_tokenizer: Any, text: str,
+               policy: str = DEFAULT_POLICY,
                add_bos: bool = True) -> TextAlignment:
     """Tokenizes ``text`` with both tokenizers (see token_offsets) and aligns them (see align)."""
     sid, soff, srole = token_offsets(source_tokenizer, text, add_bos=add_bos)

@@ -281,7 +281,7 @@ def score_levers(target_model, windows: Sequence[Sequence[int]], continuation: i
     for w in windows:
         p = len(w) - continuation
         if p - 1 - max(r for r, _ in levers) < 1:
-            raise ValueError(f"window of {len(w)} tokens is too short for {continuation} "
+            raise InvalidArgumentError(f"window of {len(w)} tokens is too short for {continuation} "
                              f"continuation tokens and a tail of {max(r for r, _ in levers)}")
         targets = torch.as_tensor(w[p:], dtype=torch.long)
         own_kv = prefix_kv(target_model, w[: p - 1])

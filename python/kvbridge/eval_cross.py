@@ -129,7 +129,7 @@ def alignment(policy: str, source: Encoded, target: Encoded) -> Tuple[np.ndarray
     docstring) and how many target tokens had no source token (served by the source's BOS)."""
     n_src, n_tgt = len(source.ids), len(target.ids)
     if n_src == 0:
-        raise ValueError("alignment: the source tokenization is empty")
+        raise kvbridge.InvalidArgumentError("alignment: the source tokenization is empty")
     if policy == NAIVE:
         return np.minimum(np.arange(n_tgt, dtype=np.int64), n_src - 1), 0
     index = np.asarray(kvbridge.align(source.offsets, target.offsets, policy, source.roles,
@@ -137,7 +137,7 @@ def alignment(policy: str, source: Encoded, target: Encoded) -> Tuple[np.ndarray
     missing = index < 0
     if missing.any():
         if "bos" not in source.roles:
-            raise ValueError(f"alignment ({policy}): {int(missing.sum())} target tokens have no "
+            raise kvbridge.InvalidArgumentError(f"alignment ({policy}): {int(missing.sum())} target tokens have no "
                              "source token and the source has no BOS to serve them")
         index[missing] = source.roles.index("bos")
     return index, int(missing.sum())
@@ -235,7 +235,7 @@ def score_cross(pair: Any, texts: Sequence[str], share: float,
         windows += 1
         prefix_tokens += p - 1
     if not windows:
-        raise ValueError("no held-out window could be split (too short for the share)")
+        raise kvbridge.InvalidArgumentError("no held-out window could be split (too short for the share)")
     return {name: {**s.metrics(), "unaligned_prefix_tokens": unaligned[name],
                    "prefix_tokens": prefix_tokens, "windows": windows}
             for name, s in sums.items()}
@@ -311,22 +311,22 @@ def evaluate_cross(pair: Any, config: CrossConfig, progress: bool = False,
     max_context = int(kv_eval.testbed_module(data).MAX_CONTEXT)
     window = config.window_bytes or max_context - 1
     if not 0.0 < config.continuation_share < 1.0:
-        raise ValueError(f"continuation_share: expected 0 < share < 1, got "
+        raise kvbridge.InvalidArgumentError(f"continuation_share: expected 0 < share < 1, got "
                          f"{config.continuation_share}")
     for name in config.policies:
         if name not in policies():
-            raise ValueError(f"policy {name!r}: expected one of {policies()}")
+            raise kvbridge.InvalidArgumentError(f"policy {name!r}: expected one of {policies()}")
     timings: Dict[str, float] = {}
     t0 = time.perf_counter()
     train = text_windows("train", window, config.train_windows, data)
     if not train:
-        raise ValueError(f"no training fortune has {window} bytes")
+        raise kvbridge.InvalidArgumentError(f"no training fortune has {window} bytes")
     adapters, fit_unaligned = fit_policies(pair, train, config.policies, progress=progress,
                                            seed=config.seed)
     timings["fit_seconds"] = time.perf_counter() - t0
     heldout = text_windows("heldout", window, config.heldout_windows, data)
     if not heldout:
-        raise ValueError(f"no held-out fortune has {window} bytes")
+        raise kvbridge.InvalidArgumentError(f"no held-out fortune has {window} bytes")
     t1 = time.perf_counter()
     scores = score_cross(pair, heldout, config.continuation_share, adapters)
     timings["score_seconds"] = time.perf_counter() - t1
@@ -337,7 +337,7 @@ def evaluate_cross(pair: Any, config: CrossConfig, progress: bool = False,
     best = best_policy({"variants": variants})
     lengths = config.ttft_bytes or default_ttft_bytes(window)
     if max(lengths) > window:
-        raise ValueError(f"TTFT prompt of {max(lengths)} bytes exceeds the window of {window}")
+        raise kvbridge.InvalidArgumentError(f"TTFT prompt of {max(lengths)} bytes exceeds the window of {window}")
     t2 = time.perf_counter()
     ttft = measure_ttft_cross(pair, adapters, [utf8_prefix(heldout[0], n) for n in lengths],
                               repeats=config.ttft_repeats)

@@ -22,6 +22,7 @@ from typing import Any, List, Sequence
 import torch
 
 from kvbridge import _args
+from kvbridge._core import InvalidArgumentError
 from kvbridge._tensors import KVCache, cache_layers, check_kv
 
 
@@ -42,10 +43,10 @@ def own_first_layers(model: Any, tokens: Sequence[int], layers: int) -> KVCache:
     base = _decoder(model)
     k = _args.size("layers", layers)
     if not 1 <= k <= len(base.layers):
-        raise ValueError(f"layers: expected 1..{len(base.layers)}, got {k}")
+        raise InvalidArgumentError(f"layers: expected 1..{len(base.layers)}, got {k}")
     ids = torch.as_tensor(list(tokens), dtype=torch.long).view(1, -1)
     if ids.shape[1] == 0:
-        raise ValueError("tokens: expected at least one token")
+        raise InvalidArgumentError("tokens: expected at least one token")
     head = copy.copy(base)                    # shares parameters, buffers and config
     head._modules = dict(base._modules)       # its own module table: `base` stays whole
     head.layers = torch.nn.ModuleList(list(base.layers)[:k])
@@ -68,13 +69,13 @@ def exact_layers(model: Any, tokens: Sequence[int], kv: KVCache, layers: int = 1
     if k == 0:
         return pairs
     if k > len(pairs):
-        raise ValueError(f"layers: the cache has {len(pairs)} layers, got {k}")
+        raise InvalidArgumentError(f"layers: the cache has {len(pairs)} layers, got {k}")
     t = int(pairs[0][0].shape[2])
     if t == 0:
         return pairs
     ids = list(tokens)
     if len(ids) < t:
-        raise ValueError(f"tokens: the cache holds {t} tokens but only {len(ids)} were given")
+        raise InvalidArgumentError(f"tokens: the cache holds {t} tokens but only {len(ids)} were given")
     own = own_first_layers(model, ids[:t], k)
     out: List[Any] = []
     for i, (key, value) in enumerate(pairs):
@@ -83,7 +84,7 @@ def exact_layers(model: Any, tokens: Sequence[int], kv: KVCache, layers: int = 1
             key = own[i][0].to(dtype=want.dtype, device=want.device)
             value = own[i][1].to(dtype=want.dtype, device=want.device)
             if key.shape != want.shape:
-                raise ValueError(f"layer {i}: the model's KV is {tuple(key.shape)}, the cache's "
+                raise InvalidArgumentError(f"layer {i}: the model's KV is {tuple(key.shape)}, the cache's "
                                  f"{tuple(want.shape)}: not this model's cache")
         out.append((key, value))
     return tuple(out)

@@ -90,10 +90,10 @@ def compare_logits(own: torch.Tensor, conv: torch.Tensor, next_tokens: torch.Ten
     the converted cache (`conv`) at the same m positions; next_tokens: the true next tokens of the
     first len(next_tokens) <= m of them. Computed in float64."""
     if own.shape != conv.shape or own.dim() != 2 or own.shape[0] == 0:
-        raise ValueError(f"logits: expected two equal [m > 0, vocab] shapes, got "
+        raise _core.InvalidArgumentError(f"logits: expected two equal [m > 0, vocab] shapes, got "
                          f"{tuple(own.shape)} and {tuple(conv.shape)}")
     if next_tokens.numel() > own.shape[0]:
-        raise ValueError(f"next_tokens: {next_tokens.numel()} for {own.shape[0]} positions")
+        raise _core.InvalidArgumentError(f"next_tokens: {next_tokens.numel()} for {own.shape[0]} positions")
     lp_own = torch.log_softmax(own.double(), -1)
     lp_conv = torch.log_softmax(conv.double(), -1)
     kl = (lp_own.exp() * (lp_own - lp_conv)).sum(-1).clamp_min(0)
@@ -118,10 +118,10 @@ def compare(model: Any, tokens: Sequence[int], kv: KVCache,
     t = int(pairs[0][0].shape[2])
     n = len(ids)
     if not 1 <= t < n:
-        raise ValueError(f"kv: expected 1..{n - 1} cached tokens for a {n}-token prompt, got {t}")
+        raise _core.InvalidArgumentError(f"kv: expected 1..{n - 1} cached tokens for a {n}-token prompt, got {t}")
     positions = _args.size("positions", positions)
     if positions < 1:
-        raise ValueError("positions: expected at least 1")
+        raise _core.InvalidArgumentError("positions: expected at least 1")
     s = max(1, min(t, n - positions))
     m = min(positions, n - s)
     cut = tuple((k[:, :, :s], v[:, :, :s]) for k, v in pairs)
@@ -142,7 +142,7 @@ def sample_prompts(model: Any, count: int = 4, length: int = 96, seed: int = 0,
 
     start = start_token if start_token is not None else getattr(model.config, "bos_token_id", None)
     if start is None:
-        raise ValueError("start_token: the model's config has no bos_token_id; pass one")
+        raise _core.InvalidArgumentError("start_token: the model's config has no bos_token_id; pass one")
     gen = torch.Generator().manual_seed(_args.seed("seed", seed))
     prompts = []
     for _ in range(_args.size("count", count)):
@@ -162,20 +162,26 @@ def probe_adapter(adapter: LinearAdapter, source_model: Any, target_model: Any,
                   positions: int = 16) -> Check:
     """Pooled Check of `adapter` on `prompts` (default: sample_prompts(source_model)): the source
     prefills each prompt but its last token, the adapter converts that, and compare() scores the
-    target at the last `positions` positions."""
+    target at the last `positions` positions. Adapters across tokenizers (an alignment policy)
+    are refused: the probe feeds both models the same token ids."""
     from kvbridge.eval import prefix_kv
 
+    if adapter.alignment_policy:
+        raise _core.InvalidArgumentError(
+            f"probe: {adapter.source.name} -> {adapter.target.name} converts across tokenizers "
+            "(alignment policy " + repr(adapter.alignment_policy) + "), which the probe's shared "
+            "token ids cannot check; register it without models and watch it with QualityMonitor")
     if prompts is None:
         prompts = sample_prompts(source_model)
     total = Check(0, 0, 0.0, 0, 0.0)
     for p in prompts:
         ids = [int(x) for x in p]
         if len(ids) < 2:
-            raise ValueError(f"probe: prompts need at least 2 tokens, got {len(ids)}")
+            raise _core.InvalidArgumentError(f"probe: prompts need at least 2 tokens, got {len(ids)}")
         conv = adapter.convert(prefix_kv(source_model, ids[:-1]))
         total = total + compare(target_model, ids, conv, positions)
     if total.positions == 0:
-        raise ValueError("probe: no prompts")
+        raise _core.InvalidArgumentError("probe: no prompts")
     return total
 
 
@@ -214,12 +220,12 @@ class QualityMonitor:
             raise TypeError(f"bridge: expected a kvbridge.Bridge, got {type(bridge).__name__}")
         rate = _args.number("sample_rate", sample_rate)
         if not 0 <= rate <= 1:
-            raise ValueError(f"sample_rate: expected a share in [0, 1], got {rate}")
+            raise _core.InvalidArgumentError(f"sample_rate: expected a share in [0, 1], got {rate}")
         self.bridge = bridge
         self.sample_rate = rate
         self.positions = _args.size("positions", positions)
         if self.positions < 1:
-            raise ValueError("positions: expected at least 1")
+            raise _core.InvalidArgumentError("positions: expected at least 1")
         self._models = {(k.fingerprint if isinstance(k, _core.ModelSpec) else str(k)): m
                         for k, m in models.items()}
         self._rng = random.Random(_args.seed("seed", seed))

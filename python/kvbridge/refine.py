@@ -38,13 +38,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from kvbridge._core import InvalidArgumentError
 from kvbridge._tensors import KVCache
 from kvbridge.adapter import LinearAdapter
 
 
 def _rope_tables(spec: Any, positions: torch.Tensor, dtype: torch.dtype):
     if spec.rope_scaling.type != "none":
-        raise ValueError(f"refine: RoPE scaling {spec.rope_scaling.type!r} of {spec.name} is not "
+        raise InvalidArgumentError(f"refine: RoPE scaling {spec.rope_scaling.type!r} of {spec.name} is not "
                          "supported (only unscaled RoPE)")
     d = spec.head_dim
     inv = 1.0 / spec.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
@@ -83,7 +84,7 @@ class TorchAdapter(torch.nn.Module):
         super().__init__()
         tensors, meta = read_adapter(path)
         if meta.get("checksum") != adapter.fingerprint:
-            raise ValueError(f"{path} is not the adapter {adapter.fingerprint}")
+            raise InvalidArgumentError(f"{path} is not the adapter {adapter.fingerprint}")
         self.source, self.target = adapter.source, adapter.target
         self.layer_map: List[List[int]] = json.loads(meta["layer_map"])
         self.rope_aware = meta["rope_aware"] == "true"
@@ -230,7 +231,7 @@ def refine(pair: Any, adapter: LinearAdapter, path: str, out_path: str,
                               config.skip_windows + config.train_windows + config.val_windows,
                               data)[config.skip_windows:]
     if len(windows) < config.train_windows + config.val_windows or config.val_windows < 1:
-        raise ValueError(f"refine: {len(windows)} training-split windows past the first "
+        raise InvalidArgumentError(f"refine: {len(windows)} training-split windows past the first "
                          f"{config.skip_windows}; need {config.train_windows} + "
                          f"{config.val_windows} (at least 1 for validation)")
     train, val = windows[:config.train_windows], windows[config.train_windows:]

@@ -235,3 +235,16 @@ def test_record_check_validation(shipped):
     assert bridge.disable_adapter(shipped) and not bridge.adapter_health()[0]["enabled"]
     assert bridge.enable_adapter(shipped.fingerprint)
     assert not bridge.enable_adapter("0" * 32)
+
+
+def test_probe_refuses_adapters_across_tokenizers():
+    from kvbridge import eval_cross
+
+    cross = testbed.load_pair(source="testbed-a", target="testbed-c")
+    adapter = kvbridge.LinearAdapter.load(eval_cross.DEFAULT_CROSS_ADAPTER)
+    assert adapter.alignment_policy
+    bridge = kvbridge.Bridge(kvbridge.KVStore(capacity_bytes=1 << 24, chunk_tokens=CHUNK))
+    with pytest.raises(kvbridge.InvalidArgumentError, match="across tokenizers"):
+        bridge.add_adapter(adapter, source_model=cross.source.model,
+                           target_model=cross.target.model)
+    assert bridge.adapters() == []

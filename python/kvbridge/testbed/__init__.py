@@ -196,7 +196,7 @@ class BPETokenizer:
         for name in BPE_SPECIAL_TOKENS:
             i = self.backend.token_to_id(name)
             if i is None:
-                raise ValueError(f"{path}: no {name} token")
+                raise InvalidArgumentError(f"{path}: no {name} token")
             special[name] = i
         self.bos_id, self.eos_id, self.pad_id = (special[n] for n in BPE_SPECIAL_TOKENS)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
@@ -207,7 +207,7 @@ class BPETokenizer:
             if i in special.values():
                 self._bytes.append(b"")
             elif token is None or any(c not in byte_of for c in token):
-                raise ValueError(f"{path}: token {i} ({token!r}) is not byte-level")
+                raise InvalidArgumentError(f"{path}: token {i} ({token!r}) is not byte-level")
             else:
                 self._bytes.append(bytes(byte_of[c] for c in token))
         self.id = specs.tokenizer_id(path.parent)
@@ -239,12 +239,12 @@ class BPETokenizer:
         for i in ids:
             piece = self._bytes[i]
             if not piece or raw[pos:pos + len(piece)] != piece:
-                raise ValueError(f"encode_with_offsets: token {i} does not spell the text at "
+                raise InvalidArgumentError(f"encode_with_offsets: token {i} does not spell the text at "
                                  f"byte {pos}")
             offsets.append((pos, pos + len(piece)))
             pos += len(piece)
         if pos != len(raw):
-            raise ValueError(f"encode_with_offsets: tokens cover {pos} of {len(raw)} bytes")
+            raise InvalidArgumentError(f"encode_with_offsets: tokens cover {pos} of {len(raw)} bytes")
         return _add_specials(ids, offsets, len(raw), self.bos_id, self.eos_id, add_bos, add_eos)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -266,7 +266,7 @@ def tokenizer_folder(name: str) -> pathlib.Path:
     and a vLLM engine's ``tokenizer`` argument take): models/tokenizer for testbed-a and
     testbed-b, the model's own folder for testbed-c."""
     if name not in MODEL_NAMES:
-        raise ValueError(f"tokenizer_folder: expected one of {MODEL_NAMES}, got {name!r}")
+        raise InvalidArgumentError(f"tokenizer_folder: expected one of {MODEL_NAMES}, got {name!r}")
     return MODELS_DIR / name if name == BPE_MODEL_NAME else TOKENIZER_DIR
 
 
@@ -281,7 +281,7 @@ def load_tokenizer(name: str = SOURCE_NAME) -> Tokenizer:
     """The tokenizer of a testbed model: ByteTokenizer for testbed-a and testbed-b (one shared
     instance), BPETokenizer for testbed-c."""
     if name not in MODEL_NAMES:
-        raise ValueError(f"load_tokenizer: expected one of {MODEL_NAMES}, got {name!r}")
+        raise InvalidArgumentError(f"load_tokenizer: expected one of {MODEL_NAMES}, got {name!r}")
     return _shared_tokenizer(name == BPE_MODEL_NAME)
 
 
@@ -360,7 +360,7 @@ def load_pair(source: str = SOURCE_NAME, target: str = TARGET_NAME,
     """The source and target models (by default testbed-a and testbed-b) and their shared
     tokenizer (None when their tokenizers differ, as for testbed-a and testbed-c)."""
     if source == target:
-        raise ValueError(f"load_pair: source and target are both {source!r}")
+        raise InvalidArgumentError(f"load_pair: source and target are both {source!r}")
     src, tgt = load_model(source, models_dir), load_model(target, models_dir)
     shared = src.tokenizer if src.tokenizer.id == tgt.tokenizer.id else None
     return TestbedPair(shared, src, tgt)
@@ -393,7 +393,7 @@ def sequence_loss(model: Union[TestbedModel, Any], texts_: Sequence[str],
     any real position, and padded positions are left out of the loss.
     """
     if per not in ("token", "byte"):
-        raise ValueError(f"sequence_loss: per must be 'token' or 'byte', got {per!r}")
+        raise InvalidArgumentError(f"sequence_loss: per must be 'token' or 'byte', got {per!r}")
     hf_model = model.model if isinstance(model, TestbedModel) else model
     tok = tokenizer or (model.tokenizer if isinstance(model, TestbedModel) else load_tokenizer())
     seqs, units = [], 0
