@@ -81,11 +81,15 @@ struct Bridge::Impl {
   mutable std::mutex mu;            // guards `registry`
   std::vector<Registered> registry;  // registration order
 
-  std::atomic<int64_t> saves{0}, loads{0}, native_hits{0}, converted_hits{0}, misses{0},
-      conversions{0}, native_tokens{0}, converted_tokens{0}, written_back_tokens{0},
-      skipped_quality{0}, skipped_stale{0}, skipped_disabled{0}, quality_checks{0},
-      quality_disables{0}, lookup_ns{0}, convert_ns{0}, cross_tokenizer_loads{0},
-      unverified_tokens{0}, aligned_hits{0};
+  // One atomic per counter row of KVBRIDGE_BRIDGE_STATS, named as the BridgeStats member. The
+  // double rows (seconds) count nanoseconds; stats() converts. Gauges are computed in stats().
+#define KVBRIDGE_COUNTER_counter(type, member) std::atomic<int64_t> member{0};
+#define KVBRIDGE_COUNTER_gauge(type, member)
+#define KVBRIDGE_COUNTER_(type, member, metric, kind, help) KVBRIDGE_COUNTER_##kind(type, member)
+  KVBRIDGE_BRIDGE_STATS(KVBRIDGE_COUNTER_)
+#undef KVBRIDGE_COUNTER_
+#undef KVBRIDGE_COUNTER_gauge
+#undef KVBRIDGE_COUNTER_counter
 
   bool usable(const Registered& r) const { return r.quality >= options.min_quality; }
 
@@ -292,7 +296,7 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
 
   auto start = Clock::now();
   Match native = m.store.match(spec, tokens, ns);
-  m.lookup_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+  m.lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   const int64_t native_len = native.tokens();
 
   // Candidates: adapters to exactly this spec, copied out so the lock is not held while working.
@@ -319,9 +323,9 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
       candidates.push_back(r);
     }
   }
-  m.skipped_quality.fetch_add(skipped_quality, std::memory_order_relaxed);
-  m.skipped_stale.fetch_add(skipped_stale, std::memory_order_relaxed);
-  m.skipped_disabled.fetch_add(skipped_disabled, std::memory_order_relaxed);
+  m.adapters_skipped_quality.fetch_add(skipped_quality, std::memory_order_relaxed);
+  m.adapters_skipped_stale.fetch_add(skipped_stale, std::memory_order_relaxed);
+  m.adapters_skipped_disabled.fetch_add(skipped_disabled, std::memory_order_relaxed);
 
   // Converted tokens end here at most: with recompute_tail r > 0 the target computes the prompt's
   // last r + 1 tokens itself; with 0 a source prefix covering the whole prompt is converted whole
@@ -340,7 +344,7 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
     if (source.tokenizer == spec.tokenizer) {
       start = Clock::now();
       c.match = m.store.match(source, tokens, ns);
-      m.lookup_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+      m.lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
       c.length = std::min(converted_end(c.match.tokens()), limit);
     } else {
       auto it = texts.find(source.tokenizer);
@@ -357,7 +361,7 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
       const Tokenization* text = &*it->second;
       start = Clock::now();
       c.match = m.store.match(source, TokenSpan(text->ids.data(), text->ids.size()), ns);
-      m.lookup_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+      m.lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
       const int64_t cached = c.match.tokens();
       if (cached == 0) continue;
       c.alignment = align(text->spans, target->spans,
@@ -431,7 +435,7 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
   start = Clock::now();
   if (native_len > 0) native.copy_range_to(0, full.slice_tokens(0, native_len));
   best.match.copy_range_to(lo, source_view);
-  m.lookup_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+  m.lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   // Unpin before converting: the store may need the room for the write-back.
   native = Match();
   best.match = Match();
@@ -442,7 +446,7 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
   } else {
     adapter.convert(source_view, native_len, full.slice_tokens(native_len, missing));
   }
-  m.convert_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+  m.convert_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   source_kv.reset();
   m.conversions.fetch_add(1, std::memory_order_relaxed);
   m.converted_tokens.fetch_add(missing, std::memory_order_relaxed);
@@ -550,29 +554,32 @@ std::vector<AdapterHealth> Bridge::adapter_health() const {
   return out;
 }
 
+namespace {
+
+// A counter's value as its BridgeStats member: a count, or seconds from nanoseconds.
+template <typename T>
+T counter_value(const std::atomic<int64_t>& a);
+template <>
+int64_t counter_value<int64_t>(const std::atomic<int64_t>& a) {
+  return a.load(std::memory_order_relaxed);
+}
+template <>
+double counter_value<double>(const std::atomic<int64_t>& a) {
+  return static_cast<double>(a.load(std::memory_order_relaxed)) * 1e-9;
+}
+
+}  // namespace
+
 BridgeStats Bridge::stats() const {
   const Impl& m = *impl_;
-  auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
   BridgeStats s;
-  s.saves = get(m.saves);
-  s.loads = get(m.loads);
-  s.native_hits = get(m.native_hits);
-  s.converted_hits = get(m.converted_hits);
-  s.misses = get(m.misses);
-  s.conversions = get(m.conversions);
-  s.native_tokens = get(m.native_tokens);
-  s.converted_tokens = get(m.converted_tokens);
-  s.written_back_tokens = get(m.written_back_tokens);
-  s.adapters_skipped_quality = get(m.skipped_quality);
-  s.adapters_skipped_stale = get(m.skipped_stale);
-  s.adapters_skipped_disabled = get(m.skipped_disabled);
-  s.quality_checks = get(m.quality_checks);
-  s.quality_disables = get(m.quality_disables);
-  s.cross_tokenizer_loads = get(m.cross_tokenizer_loads);
-  s.unverified_tokens = get(m.unverified_tokens);
-  s.aligned_hits = get(m.aligned_hits);
-  s.lookup_seconds = static_cast<double>(get(m.lookup_ns)) * 1e-9;
-  s.convert_seconds = static_cast<double>(get(m.convert_ns)) * 1e-9;
+#define KVBRIDGE_READ_counter(type, member) s.member = counter_value<type>(m.member);
+#define KVBRIDGE_READ_gauge(type, member)
+#define KVBRIDGE_READ_(type, member, metric, kind, help) KVBRIDGE_READ_##kind(type, member)
+  KVBRIDGE_BRIDGE_STATS(KVBRIDGE_READ_)
+#undef KVBRIDGE_READ_
+#undef KVBRIDGE_READ_gauge
+#undef KVBRIDGE_READ_counter
   std::lock_guard<std::mutex> lock(m.mu);
   s.adapters = static_cast<int64_t>(m.registry.size());
   s.adapters_below_quality = static_cast<int64_t>(
