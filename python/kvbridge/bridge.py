@@ -297,9 +297,9 @@ class Bridge:
         when `spec` has no registered tokenizer or no adapter to it comes from another one."""
         with self._lock:
             known = self._tokenizers.get(spec.name)
+            if known is None or known[0] != spec.tokenizer:
+                return None  # the common case: nothing more to look at on this load
             by_id = {tid: tok for tid, tok in self._tokenizers.values()}
-        if known is None or known[0] != spec.tokenizer:
-            return None
         if not any(a.target.fingerprint == spec.fingerprint
                    and a.source.tokenizer != spec.tokenizer for a in self.adapters()):
             return None
