@@ -30,6 +30,8 @@ class ModelSpec:
                  dtype: str = "float32", version: str = "", tokenizer: str = "",
                  rope_base: float = 10000.0, rope_style: str = "half",
                  rope_scaling: RopeScaling = ...) -> None: ...
+    # (name, type, default) per constructor argument, in order; default None when required.
+    FIELDS: Tuple[Tuple[str, str, object], ...]
     name: str
     num_layers: int
     num_kv_heads: int
@@ -187,6 +189,8 @@ class Bridge:
                  write_back: bool = True, recompute_tail: int = 0,
                  min_agreement: float = 0.8, check_window: int = 32,
                  min_checks: int = 8) -> None: ...
+    # (name, type, default, doc) per option (BridgeOptions), in the constructor's order.
+    OPTIONS: Tuple[Tuple[str, str, object, str], ...]
     @property
     def min_quality(self) -> float: ...
     @property

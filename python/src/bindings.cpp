@@ -7,9 +7,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <iterator>
+#include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "bind_bridge.h"
+#include "field_types.h"
 #include "tokens.h"
 #include "kvbridge/kvbridge.h"
 
@@ -137,6 +142,123 @@ ModelSpec spec_from_state(const py::tuple& t) {
   return s;
 }
 
+// Python's ModelSpec(...) argument order: the four required fields, then the others with
+// ModelSpec{}'s defaults. It is the order callers pass them by position in, which is not the
+// fingerprint order of for_each_spec_field; check_spec_args() checks at import that it names
+// every field of that list exactly once, so a new field fails the import until it has a place.
+constexpr const char* kSpecArgs[] = {"name",      "num_layers", "num_kv_heads", "head_dim",
+                                     "dtype",     "version",    "tokenizer",    "rope_base",
+                                     "rope_style", "rope_scaling"};
+constexpr size_t kSpecRequiredArgs = 4;
+
+void check_spec_args() {
+  const ModelSpec spec;
+  size_t fields = 0;
+  for_each_spec_field(
+      [&](const char* name, const auto&) {
+        ++fields;
+        size_t found = 0;
+        for (const char* arg : kSpecArgs) found += std::strcmp(arg, name) == 0;
+        if (found != 1)
+          throw std::logic_error(std::string("ModelSpec field '") + name +
+                                 "' must appear once in kSpecArgs");
+      },
+      spec);
+  if (fields != std::size(kSpecArgs))
+    throw std::logic_error("kSpecArgs names a field ModelSpec does not have");
+}
+
+// Calls f(field) for the field of `spec` named `name`.
+template <class Spec, class F>
+void with_spec_field(Spec& spec, const char* name, F&& f) {
+  for_each_spec_field(
+      [&](const char* field, auto& value) {
+        if (std::strcmp(field, name) == 0) f(value);
+      },
+      spec);
+}
+
+// A constructor argument into a ModelSpec field: a wrong type is a TypeError naming it.
+std::string text_arg(const py::handle& v, const char* name) {
+  py::detail::make_caster<std::string> text;
+  if (!text.load(v, true))
+    throw py::type_error(std::string(name) + ": expected a str, got " +
+                         std::string(py::str(py::type::of(v).attr("__name__"))) + " " +
+                         std::string(py::repr(v)));
+  return py::detail::cast_op<std::string>(std::move(text));
+}
+void field_arg(const py::handle& o, const char* name, std::string* v) { *v = text_arg(o, name); }
+void field_arg(const py::handle& o, const char* name, int64_t* v) { *v = int_arg(o, name); }
+void field_arg(const py::handle& o, const char* name, double* v) { *v = real_arg(o, name); }
+void field_arg(const py::handle& o, const char* name, DType* v) {
+  *v = parse_dtype(text_arg(o, name));
+}
+void field_arg(const py::handle& o, const char* name, RopeStyle* v) {
+  *v = parse_rope_style(text_arg(o, name));
+}
+void field_arg(const py::handle& o, const char* name, RopeScaling* v) {
+  if (!py::isinstance<RopeScaling>(o))
+    throw py::type_error(std::string(name) + ": expected a kvbridge.RopeScaling, got " +
+                         std::string(py::str(py::type::of(o).attr("__name__"))));
+  *v = o.cast<RopeScaling>();
+}
+py::object field_py(const RopeScaling& v) { return py::cast(v); }
+
+template <size_t I>
+auto spec_arg() {
+  if constexpr (I < kSpecRequiredArgs) {
+    return py::arg(kSpecArgs[I]);
+  } else {
+    const ModelSpec defaults;
+    py::object value;
+    with_spec_field(defaults, kSpecArgs[I], [&](const auto& v) { value = field_py(v); });
+    return py::arg_v(kSpecArgs[I], value);
+  }
+}
+
+template <size_t>
+using PyObjectArg = const py::object&;
+
+// ModelSpec(name, num_layers, ...): one argument per kSpecArgs entry, each converted into its
+// field (in argument order), then validate().
+template <size_t... I>
+void def_spec_init(py::class_<ModelSpec>& cls, std::index_sequence<I...>) {
+  cls.def(py::init([](PyObjectArg<I>... arg) {
+            const py::handle args[] = {arg...};
+            ModelSpec s;
+            for (size_t i = 0; i < sizeof...(I); ++i)
+              with_spec_field(s, kSpecArgs[i],
+                              [&](auto& field) { field_arg(args[i], kSpecArgs[i], &field); });
+            s.validate();
+            return s;
+          }),
+          spec_arg<I>()...);
+}
+
+// The constructor, a read-only property per field, and ModelSpec.FIELDS: ((name, type,
+// default), ...) in argument order (default None for the required ones), which the stub check
+// reads.
+void def_spec_fields(py::class_<ModelSpec>& cls) {
+  check_spec_args();
+  def_spec_init(cls, std::make_index_sequence<std::size(kSpecArgs)>());
+  const ModelSpec defaults;
+  py::list fields;
+  for (size_t i = 0; i < std::size(kSpecArgs); ++i) {
+    const char* name = kSpecArgs[i];
+    with_spec_field(defaults, name, [&](const auto& v) {
+      using T = std::decay_t<decltype(v)>;
+      fields.append(py::make_tuple(name, kvbridge::python::python_type_name<T>(),
+                                   i < kSpecRequiredArgs ? py::none() : field_py(v)));
+      cls.def_property_readonly(name, [name](const ModelSpec& s) {
+        py::object out;
+        with_spec_field(s, name, [&](const auto& f) { out = field_py(f); });
+        return out;
+      });
+    });
+  }
+  cls.attr("FIELDS") = py::tuple(fields);
+}
+
 py::dict report_dict(const FitReport& r) {
   py::list layers;
   for (const LayerFit& lf : r.layers) {
@@ -218,41 +340,9 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("original_max_position", &RopeScaling::original_max_position)
       .def(py::self == py::self);
 
-  py::class_<ModelSpec>(m, "ModelSpec")
-      .def(py::init([](std::string name, const py::object& num_layers,
-                       const py::object& num_kv_heads, const py::object& head_dim,
-                       const std::string& dtype, std::string version, std::string tokenizer,
-                       const py::object& rope_base, const std::string& rope_style,
-                       const RopeScaling& rope_scaling) {
-             ModelSpec s;
-             s.name = std::move(name);
-             s.num_layers = int_arg(num_layers, "num_layers");
-             s.num_kv_heads = int_arg(num_kv_heads, "num_kv_heads");
-             s.head_dim = int_arg(head_dim, "head_dim");
-             s.dtype = parse_dtype(dtype);
-             s.version = std::move(version);
-             s.tokenizer = std::move(tokenizer);
-             s.rope_base = real_arg(rope_base, "rope_base");
-             s.rope_style = parse_rope_style(rope_style);
-             s.rope_scaling = rope_scaling;
-             s.validate();
-             return s;
-           }),
-           py::arg("name"), py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::arg("dtype") = "float32", py::arg("version") = "", py::arg("tokenizer") = "",
-           py::arg("rope_base") = 10000.0, py::arg("rope_style") = "half",
-           py::arg("rope_scaling") = RopeScaling{})
-      .def_readonly("name", &ModelSpec::name)
-      .def_readonly("num_layers", &ModelSpec::num_layers)
-      .def_readonly("num_kv_heads", &ModelSpec::num_kv_heads)
-      .def_readonly("head_dim", &ModelSpec::head_dim)
-      .def_property_readonly("dtype", [](const ModelSpec& s) { return dtype_name(s.dtype); })
-      .def_readonly("version", &ModelSpec::version)
-      .def_readonly("tokenizer", &ModelSpec::tokenizer)
-      .def_readonly("rope_base", &ModelSpec::rope_base)
-      .def_property_readonly("rope_style",
-                             [](const ModelSpec& s) { return rope_style_name(s.rope_style); })
-      .def_readonly("rope_scaling", &ModelSpec::rope_scaling)
+  py::class_<ModelSpec> spec(m, "ModelSpec");
+  def_spec_fields(spec);
+  spec
       .def_property_readonly("fingerprint", &ModelSpec::fingerprint)
       .def("kv_bytes_per_token", &ModelSpec::kv_bytes_per_token)
       .def(py::self == py::self)
