@@ -70,7 +70,6 @@ class Bridge:
     `min_agreement`, once it has `min_checks` of them, is disabled (loads stop converting with
     it) and what it wrote back is purged; enable_adapter() re-enables it. add_adapter() with the
     models probes an adapter against the same floor.
-
     """
 
     def __init__(self, store: KVStore, *args: Any, **kwargs: Any):

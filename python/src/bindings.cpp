@@ -1,5 +1,6 @@
 // pybind11 bindings: type conversions only. Argument checking lives in the C++ library (so C++
 // and Python callers get the same errors); Python-side type handling lives in python/kvbridge.
+#include <array>
 #include <optional>
 
 #include <pybind11/numpy.h>
@@ -142,43 +143,80 @@ ModelSpec spec_from_state(const py::tuple& t) {
   return s;
 }
 
-// Python's ModelSpec(...) argument order: the four required fields, then the others with
-// ModelSpec{}'s defaults. It is the order callers pass them by position in, which is not the
-// fingerprint order of for_each_spec_field; check_spec_args() checks at import that it names
-// every field of that list exactly once, so a new field fails the import until it has a place.
-constexpr const char* kSpecArgs[] = {"name",      "num_layers", "num_kv_heads", "head_dim",
-                                     "dtype",     "version",    "tokenizer",    "rope_base",
-                                     "rope_style", "rope_scaling"};
-constexpr size_t kSpecRequiredArgs = 4;
+// Structs whose Python constructor, properties and FIELDS come from their field list:
+// Fields<T>::each(s, f) calls f(name, field) for every field of `s`; Fields<T>::args are the
+// constructor's argument names in order, each a field (the first `required` of them have no
+// default, the others T{}'s); check(s) runs on the constructed value.
+template <class T>
+struct Fields;
 
-void check_spec_args() {
-  const ModelSpec spec;
+// RopeScaling takes its arguments in the field list's order: the names, at compile time.
+constexpr size_t kScalingFields = [] {
+  size_t n = 0;
+  RopeScaling s{};
+  for_each_rope_scaling_field([&](const char*, auto&) { ++n; }, s);
+  return n;
+}();
+constexpr std::array<const char*, kScalingFields> kScalingArgs = [] {
+  std::array<const char*, kScalingFields> names{};
+  size_t i = 0;
+  RopeScaling s{};
+  for_each_rope_scaling_field([&](const char* name, auto&) { names[i++] = name; }, s);
+  return names;
+}();
+
+template <>
+struct Fields<RopeScaling> {
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+    for_each_rope_scaling_field(f, s);
+  }
+  static constexpr std::array<const char*, kScalingFields> args = kScalingArgs;
+  static constexpr size_t required = 0;
+  static void check(const RopeScaling&) {}  // ModelSpec::validate checks it in its spec
+};
+
+template <>
+struct Fields<ModelSpec> {
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+    for_each_spec_field(f, s);
+  }
+  // The order callers pass the arguments by position in: the four required fields, then the
+  // others. It is not the fingerprint order of for_each_spec_field; check_args() checks at
+  // import that it names every field of that list once, so a new field fails the import until
+  // it has a place here.
+  static constexpr std::array args{"name",       "num_layers", "num_kv_heads", "head_dim",
+                                   "dtype",      "version",    "tokenizer",    "rope_base",
+                                   "rope_style", "rope_scaling"};
+  static constexpr size_t required = 4;
+  static void check(const ModelSpec& s) { s.validate(); }
+};
+
+template <class T>
+void check_args() {
+  const T defaults{};
   size_t fields = 0;
-  for_each_spec_field(
-      [&](const char* name, const auto&) {
-        ++fields;
-        size_t found = 0;
-        for (const char* arg : kSpecArgs) found += std::strcmp(arg, name) == 0;
-        if (found != 1)
-          throw std::logic_error(std::string("ModelSpec field '") + name +
-                                 "' must appear once in kSpecArgs");
-      },
-      spec);
-  if (fields != std::size(kSpecArgs))
-    throw std::logic_error("kSpecArgs names a field ModelSpec does not have");
+  Fields<T>::each(defaults, [&](const char* name, const auto&) {
+    ++fields;
+    size_t found = 0;
+    for (const char* arg : Fields<T>::args) found += std::strcmp(arg, name) == 0;
+    if (found != 1)
+      throw std::logic_error(std::string("field '") + name + "' must be one argument, once");
+  });
+  if (fields != Fields<T>::args.size())
+    throw std::logic_error("an argument names no field");
 }
 
-// Calls f(field) for the field of `spec` named `name`.
-template <class Spec, class F>
-void with_spec_field(Spec& spec, const char* name, F&& f) {
-  for_each_spec_field(
-      [&](const char* field, auto& value) {
-        if (std::strcmp(field, name) == 0) f(value);
-      },
-      spec);
+// Calls f(field) for the field of `s` named `name`.
+template <class T, class S, class F>
+void with_field(S& s, const char* name, F&& f) {
+  Fields<T>::each(s, [&](const char* field, auto& value) {
+    if (std::strcmp(field, name) == 0) f(value);
+  });
 }
 
-// A constructor argument into a ModelSpec field: a wrong type is a TypeError naming it.
+// A constructor argument into a field: a wrong type is a TypeError naming it.
 std::string text_arg(const py::handle& v, const char* name) {
   py::detail::make_caster<std::string> text;
   if (!text.load(v, true))
@@ -196,6 +234,9 @@ void field_arg(const py::handle& o, const char* name, DType* v) {
 void field_arg(const py::handle& o, const char* name, RopeStyle* v) {
   *v = parse_rope_style(text_arg(o, name));
 }
+void field_arg(const py::handle& o, const char* name, RopeScaling::Type* v) {
+  *v = parse_rope_scaling_type(text_arg(o, name));
+}
 void field_arg(const py::handle& o, const char* name, RopeScaling* v) {
   if (!py::isinstance<RopeScaling>(o))
     throw py::type_error(std::string(name) + ": expected a kvbridge.RopeScaling, got " +
@@ -204,54 +245,57 @@ void field_arg(const py::handle& o, const char* name, RopeScaling* v) {
 }
 py::object field_py(const RopeScaling& v) { return py::cast(v); }
 
-template <size_t I>
-auto spec_arg() {
-  if constexpr (I < kSpecRequiredArgs) {
-    return py::arg(kSpecArgs[I]);
+template <class T, size_t I>
+auto arg_decl() {
+  const char* name = Fields<T>::args[I];
+  if constexpr (I < Fields<T>::required) {
+    return py::arg(name);
   } else {
-    const ModelSpec defaults;
+    const T defaults{};
     py::object value;
-    with_spec_field(defaults, kSpecArgs[I], [&](const auto& v) { value = field_py(v); });
-    return py::arg_v(kSpecArgs[I], value);
+    with_field<T>(defaults, name, [&](const auto& v) { value = field_py(v); });
+    return py::arg_v(name, value);
   }
 }
 
 template <size_t>
 using PyObjectArg = const py::object&;
 
-// ModelSpec(name, num_layers, ...): one argument per kSpecArgs entry, each converted into its
-// field (in argument order), then validate().
-template <size_t... I>
-void def_spec_init(py::class_<ModelSpec>& cls, std::index_sequence<I...>) {
+// T(...): one argument per name of Fields<T>::args, each converted into its field (in argument
+// order), then Fields<T>::check.
+template <class T, size_t... I>
+void def_init(py::class_<T>& cls, std::index_sequence<I...>) {
   cls.def(py::init([](PyObjectArg<I>... arg) {
             const py::handle args[] = {arg...};
-            ModelSpec s;
-            for (size_t i = 0; i < sizeof...(I); ++i)
-              with_spec_field(s, kSpecArgs[i],
-                              [&](auto& field) { field_arg(args[i], kSpecArgs[i], &field); });
-            s.validate();
+            T s{};
+            for (size_t i = 0; i < sizeof...(I); ++i) {
+              const char* name = Fields<T>::args[i];
+              with_field<T>(s, name, [&](auto& field) { field_arg(args[i], name, &field); });
+            }
+            Fields<T>::check(s);
             return s;
           }),
-          spec_arg<I>()...);
+          arg_decl<T, I>()...);
 }
 
-// The constructor, a read-only property per field, and ModelSpec.FIELDS: ((name, type,
-// default), ...) in argument order (default None for the required ones), which the stub check
-// reads.
-void def_spec_fields(py::class_<ModelSpec>& cls) {
-  check_spec_args();
-  def_spec_init(cls, std::make_index_sequence<std::size(kSpecArgs)>());
-  const ModelSpec defaults;
+// The constructor, a read-only property per field, and T.FIELDS: ((name, type, default), ...)
+// in argument order (default None for the required ones), which the stub check reads.
+template <class T>
+void def_fields(py::class_<T>& cls) {
+  check_args<T>();
+  constexpr size_t n = Fields<T>::args.size();
+  def_init(cls, std::make_index_sequence<n>());
+  const T defaults{};
   py::list fields;
-  for (size_t i = 0; i < std::size(kSpecArgs); ++i) {
-    const char* name = kSpecArgs[i];
-    with_spec_field(defaults, name, [&](const auto& v) {
-      using T = std::decay_t<decltype(v)>;
-      fields.append(py::make_tuple(name, kvbridge::python::python_type_name<T>(),
-                                   i < kSpecRequiredArgs ? py::none() : field_py(v)));
-      cls.def_property_readonly(name, [name](const ModelSpec& s) {
+  for (size_t i = 0; i < n; ++i) {
+    const char* name = Fields<T>::args[i];
+    with_field<T>(defaults, name, [&](const auto& v) {
+      using V = std::decay_t<decltype(v)>;
+      fields.append(py::make_tuple(name, kvbridge::python::python_type_name<V>(),
+                                   i < Fields<T>::required ? py::none() : field_py(v)));
+      cls.def_property_readonly(name, [name](const T& s) {
         py::object out;
-        with_spec_field(s, name, [&](const auto& f) { out = field_py(f); });
+        with_field<T>(s, name, [&](const auto& f) { out = field_py(f); });
         return out;
       });
     });
@@ -319,29 +363,12 @@ PYBIND11_MODULE(_core, m) {
   m.def("version", &version);
   m.def("cuda_device_count", &cuda_device_count);
 
-  py::class_<RopeScaling>(m, "RopeScaling")
-      .def(py::init([](const std::string& type, const py::object& factor, const py::object& low,
-                       const py::object& high, const py::object& original_max_position) {
-             RopeScaling s;
-             s.type = parse_rope_scaling_type(type);
-             s.factor = real_arg(factor, "factor");
-             s.low_freq_factor = real_arg(low, "low_freq_factor");
-             s.high_freq_factor = real_arg(high, "high_freq_factor");
-             s.original_max_position = int_arg(original_max_position, "original_max_position");
-             return s;
-           }),
-           py::arg("type") = "none", py::arg("factor") = 1.0, py::arg("low_freq_factor") = 1.0,
-           py::arg("high_freq_factor") = 4.0, py::arg("original_max_position") = 8192)
-      .def_property_readonly("type",
-                             [](const RopeScaling& s) { return rope_scaling_type_name(s.type); })
-      .def_readonly("factor", &RopeScaling::factor)
-      .def_readonly("low_freq_factor", &RopeScaling::low_freq_factor)
-      .def_readonly("high_freq_factor", &RopeScaling::high_freq_factor)
-      .def_readonly("original_max_position", &RopeScaling::original_max_position)
-      .def(py::self == py::self);
+  py::class_<RopeScaling> scaling(m, "RopeScaling");
+  def_fields(scaling);
+  scaling.def(py::self == py::self);
 
   py::class_<ModelSpec> spec(m, "ModelSpec");
-  def_spec_fields(spec);
+  def_fields(spec);
   spec
       .def_property_readonly("fingerprint", &ModelSpec::fingerprint)
       .def("kv_bytes_per_token", &ModelSpec::kv_bytes_per_token)

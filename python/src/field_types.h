@@ -25,6 +25,8 @@ struct PythonType<DType> { static constexpr const char* name = "str"; };  // by 
 template <>
 struct PythonType<RopeStyle> { static constexpr const char* name = "str"; };  // by name
 template <>
+struct PythonType<RopeScaling::Type> { static constexpr const char* name = "str"; };  // by name
+template <>
 struct PythonType<RopeScaling> { static constexpr const char* name = "RopeScaling"; };
 
 /// The annotation a field of C++ type T has in Python (and in _core.pyi).

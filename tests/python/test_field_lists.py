@@ -49,20 +49,21 @@ def stub_members(cls):
     return out
 
 
-def test_stub_model_spec_matches_binding():
-    cls = stub_class("ModelSpec")
-    fields = _core.ModelSpec.FIELDS
+@pytest.mark.parametrize("name", ["ModelSpec", "RopeScaling"])
+def test_stub_fields_match_binding(name):
+    cls = stub_class(name)
+    fields = getattr(_core, name).FIELDS
     assert [f[0] for f in fields] == [p[0] for p in stub_init(cls)]
     members = stub_members(cls)
-    for (name, kind, default), (_, annotation, stub_default) in zip(fields, stub_init(cls)):
-        assert annotation == kind, name
-        assert members.get(name) == kind, name
+    for (field, kind, default), (_, annotation, stub_default) in zip(fields, stub_init(cls)):
+        assert annotation == kind, field
+        assert members.get(field) == kind, field
         if default is None:
-            assert stub_default is inspect.Parameter.empty, f"{name} is required"
+            assert stub_default is inspect.Parameter.empty, f"{field} is required"
         elif isinstance(default, _core.RopeScaling):
-            assert stub_default is Ellipsis and default == _core.RopeScaling(), name
+            assert stub_default is Ellipsis and default == _core.RopeScaling(), field
         else:
-            assert stub_default == default and type(stub_default) is type(default), name
+            assert stub_default == default and type(stub_default) is type(default), field
 
 
 def test_stub_bridge_matches_binding():
@@ -119,6 +120,25 @@ def test_model_spec_argument_values(name, value, match):
     args = {"name": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, name: value}
     with pytest.raises(kvbridge.InvalidArgumentError, match=match):
         kvbridge.ModelSpec(**args)
+
+
+def test_rope_scaling_fields_are_the_constructor():
+    fields = _core.RopeScaling.FIELDS
+    assert [f[0] for f in fields] == ["type", "factor", "low_freq_factor", "high_freq_factor",
+                                      "original_max_position"]
+    values = ["llama3", 6.5, 1.25, 3.75, 3001]
+    by_position = kvbridge.RopeScaling(*values)
+    assert by_position == kvbridge.RopeScaling(**{f[0]: v for f, v in zip(fields, values)})
+    assert [getattr(by_position, f[0]) for f in fields] == values
+    assert [getattr(kvbridge.RopeScaling(), f[0]) for f in fields] == [f[2] for f in fields]
+    with pytest.raises(TypeError, match="type"):
+        kvbridge.RopeScaling(type=2)
+    with pytest.raises(TypeError, match="factor"):
+        kvbridge.RopeScaling("linear", factor="2")
+    with pytest.raises(TypeError, match="original_max_position"):
+        kvbridge.RopeScaling("llama3", original_max_position=2.0)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="rope_scaling.type"):
+        kvbridge.RopeScaling("cubic")
 
 
 def test_model_spec_required_arguments():
