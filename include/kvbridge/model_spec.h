@@ -61,9 +61,11 @@ struct ModelSpec {
 
 /// The one list of RopeScaling's fields: calls f(name, field of each of `s`...) for type,
 /// factor, low_freq_factor, high_freq_factor and original_max_position, in that order.
-/// Equality, the fingerprint, the adapter file's JSON and the Python pickle are written from it.
+/// Equality, the fingerprint, the adapter file's JSON, the Python pickle and the Python
+/// constructor (whose arguments are in this order) and properties are written from it.
+/// constexpr, so the bindings read the names at compile time.
 template <class F, class... S>
-void for_each_rope_scaling_field(F&& f, S&... s) {
+constexpr void for_each_rope_scaling_field(F&& f, S&... s) {
   f("type", s.type...);
   f("factor", s.factor...);
   f("low_freq_factor", s.low_freq_factor...);
@@ -74,9 +76,10 @@ void for_each_rope_scaling_field(F&& f, S&... s) {
 /// The one list of ModelSpec's fields: calls f(name, field of each of `s`...) for every field
 /// in the order of the fingerprint encoding (docs/hashing.md). Fields are std::string, int64_t,
 /// DType, double, RopeStyle or (for "rope_scaling") a RopeScaling, whose own fields
-/// for_each_rope_scaling_field lists. Equality, the fingerprint, the adapter file's JSON and
-/// the Python pickle are written from it; a new field is one line here (and its check in
-/// validate()).
+/// for_each_rope_scaling_field lists. Equality, the fingerprint, the adapter file's JSON, the
+/// Python pickle and the Python constructor's conversions and properties are written from it;
+/// a new field is one line here, its check in validate() and its place in the Python
+/// constructor's argument order (python/src/bindings.cpp, checked at import).
 template <class F, class... S>
 void for_each_spec_field(F&& f, S&... s) {
   f("name", s.name...);

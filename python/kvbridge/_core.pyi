@@ -18,6 +18,8 @@ def cuda_device_count() -> int: ...
 class RopeScaling:
     def __init__(self, type: str = "none", factor: float = 1.0, low_freq_factor: float = 1.0,
                  high_freq_factor: float = 4.0, original_max_position: int = 8192) -> None: ...
+    # (name, type, default) per constructor argument, in order.
+    FIELDS: Tuple[Tuple[str, str, object], ...]
     @property
     def type(self) -> str: ...
     factor: float
@@ -30,6 +32,8 @@ class ModelSpec:
                  dtype: str = "float32", version: str = "", tokenizer: str = "",
                  rope_base: float = 10000.0, rope_style: str = "half",
                  rope_scaling: RopeScaling = ...) -> None: ...
+    # (name, type, default) per constructor argument, in order; default None when required.
+    FIELDS: Tuple[Tuple[str, str, object], ...]
     name: str
     num_layers: int
     num_kv_heads: int
@@ -187,6 +191,8 @@ class Bridge:
                  write_back: bool = True, recompute_tail: int = 0,
                  min_agreement: float = 0.8, check_window: int = 32,
                  min_checks: int = 8) -> None: ...
+    # (name, type, default, doc) per option (BridgeOptions), in the constructor's order.
+    OPTIONS: Tuple[Tuple[str, str, object, str], ...]
     @property
     def min_quality(self) -> float: ...
     @property

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import inspect
+import textwrap
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -55,73 +57,43 @@ class Bridge:
 
     Models with different tokenizers: register each model's tokenizer (add_tokenizer) and an
     adapter fitted on aligned samples (AdapterFitter(alignment_policy=...)); load() then also
-    serves the target from the source's cache of the same text (see load()).
+    serves the target from the source's cache of the same text (see load()). Thread-safe.
 
     store: the KVStore to use (kept alive by the bridge).
-    min_quality: quality floor for adapters; float("-inf") disables the gate.
-    write_back: store converted prefixes as the target's own entries.
-    recompute_tail: prompt tokens before the last one that a converted load leaves for the model
-        to compute itself over the converted prefix (a converted load holds at most
-        len(tokens) - 1 - recompute_tail tokens; native prefixes are not cut). Default 0.
     exact_layers: when load() is given the target `model`, the first exact_layers layers of a
         load with converted tokens are the model's own KV (kvbridge.exact) instead of converted
-        ones. Default 0.
-    min_agreement, check_window, min_checks: the fallback floor (see kvbridge.monitor): an
-        adapter whose pooled top-1 agreement over its last `check_window` quality checks is
-        below `min_agreement`, once it has `min_checks` of them, is disabled (loads stop
-        converting with it) and what it wrote back is purged; enable_adapter() re-enables it.
-        add_adapter() with the models probes an adapter against the same floor. Defaults 0.8,
-        32, 8; min_agreement=float("-inf") never disables.
-    Thread-safe.
+        ones. Keyword only. Default 0.
+    The options below (min_quality and write_back may also be given by position, after the
+    store; the others are keyword only) are the native BridgeOptions, one property each. The
+    fallback floor (kvbridge.monitor) is min_agreement, check_window and min_checks: an adapter
+    whose pooled top-1 agreement over its last `check_window` quality checks is below
+    `min_agreement`, once it has `min_checks` of them, is disabled (loads stop converting with
+    it) and what it wrote back is purged; enable_adapter() re-enables it. add_adapter() with the
+    models probes an adapter against the same floor.
     """
 
-    def __init__(self, store: KVStore, min_quality: float = 0.5, write_back: bool = True, *,
-                 recompute_tail: int = 0, exact_layers: int = 0, min_agreement: float = 0.8,
-                 check_window: int = 32, min_checks: int = 8):
+    def __init__(self, store: KVStore, *args: Any, **kwargs: Any):
+        # The options' names, defaults and order come from the native table (_OPTIONS); the
+        # signature shown by help() and inspect is _INIT_SIGNATURE, which binds the call.
+        given = _INIT_SIGNATURE.bind(self, store, *args, **kwargs)
+        given.apply_defaults()
+        options = given.arguments
         if not isinstance(store, KVStore):
             raise TypeError(f"store: expected a kvbridge.KVStore, got {type(store).__name__}")
         self._store = store
-        self._exact_layers = _args.size("exact_layers", exact_layers)
+        self._exact_layers = _args.size("exact_layers", options["exact_layers"])
         self._tokenizers: Dict[str, Tuple[str, Any]] = {}  # model name -> (tokenizer id, tokenizer)
         self._lock = threading.Lock()
-        self._native = _core.Bridge(store._store, _args.number("min_quality", min_quality),
-                                    _args.flag("write_back", write_back),
-                                    _args.size("recompute_tail", recompute_tail),
-                                    _args.number("min_agreement", min_agreement),
-                                    _args.size("check_window", check_window),
-                                    _args.size("min_checks", min_checks))
+        self._native = _core.Bridge(store._store, **{
+            name: _OPTION_CHECKS[kind](name, options[name]) for name, kind, _, _ in _OPTIONS})
 
     @property
     def store(self) -> KVStore:
         return self._store
 
     @property
-    def min_quality(self) -> float:
-        return self._native.min_quality
-
-    @property
-    def write_back(self) -> bool:
-        return self._native.write_back
-
-    @property
-    def recompute_tail(self) -> int:
-        return self._native.recompute_tail
-
-    @property
     def exact_layers(self) -> int:
         return self._exact_layers
-
-    @property
-    def min_agreement(self) -> float:
-        return self._native.min_agreement
-
-    @property
-    def check_window(self) -> int:
-        return self._native.check_window
-
-    @property
-    def min_checks(self) -> int:
-        return self._native.min_checks
 
     def add_tokenizer(self, spec: _core.ModelSpec, tokenizer: Any) -> None:
         """Registers the tokenizer of the model `spec` names, so that load() can serve it from
@@ -324,6 +296,41 @@ class Bridge:
         return self._native.prometheus_text()
 
     prometheus_text = metrics
+
+
+#: The native options: (name, type, default, doc) per field of BridgeOptions (bridge.h).
+_OPTIONS = _core.Bridge.OPTIONS
+#: The argument check (kvbridge._args) for each option type; int options are counts.
+_OPTION_CHECKS = {"float": _args.number, "bool": _args.flag, "int": _args.size}
+#: How many options (the first ones) may also be given by position.
+_POSITIONAL_OPTIONS = 2
+
+
+def _init_signature() -> inspect.Signature:
+    p = inspect.Parameter
+    params = [p("self", p.POSITIONAL_OR_KEYWORD),
+              p("store", p.POSITIONAL_OR_KEYWORD, annotation="KVStore")]
+    for i, (name, kind, default, _) in enumerate(_OPTIONS):
+        how = p.POSITIONAL_OR_KEYWORD if i < _POSITIONAL_OPTIONS else p.KEYWORD_ONLY
+        params.append(p(name, how, default=default, annotation=kind))
+    params.append(p("exact_layers", p.KEYWORD_ONLY, default=0, annotation="int"))
+    return inspect.Signature(params)
+
+
+def _option_property(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self._native, name), doc=doc)
+
+
+_INIT_SIGNATURE = _init_signature()
+Bridge.__init__.__signature__ = _INIT_SIGNATURE  # type: ignore[attr-defined]
+for _name, _kind, _default, _doc in _OPTIONS:
+    setattr(Bridge, _name, _option_property(_name, _doc))
+if Bridge.__doc__ is not None:  # None under python -OO
+    Bridge.__doc__ = Bridge.__doc__.rstrip() + "\n\n" + "".join(
+        textwrap.fill(f"{name} ({kind}, default {default!r}): {doc}", 96,
+                      initial_indent="    ", subsequent_indent="        ") + "\n"
+        for name, kind, default, doc in _OPTIONS)
+del _name, _kind, _default, _doc
 
 
 def _fingerprint(adapter: Union[LinearAdapter, str]) -> str:

@@ -4,6 +4,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include "field_types.h"
 #include "kvbridge/kvbridge.h"
 #include "tokens.h"
 
@@ -76,35 +77,25 @@ void bind_bridge(py::module_& m) {
           },
           py::arg("keys"), py::arg("values"));
 
-  py::class_<Bridge>(m, "Bridge")
-      .def(py::init([](KVStore& store, double min_quality, bool write_back,
-                       int64_t recompute_tail, double min_agreement, int64_t check_window,
-                       int64_t min_checks) {
+  // The constructor's keyword arguments (after the store), their defaults (BridgeOptions{}'s)
+  // and the read-only properties, one per row of KVBRIDGE_BRIDGE_OPTIONS (bridge.h).
+#define KVBRIDGE_OPTION_PARAM_(type, member, default_value, doc) , type member
+#define KVBRIDGE_OPTION_SET_(type, member, default_value, doc) o.member = member;
+#define KVBRIDGE_OPTION_ARG_(type, member, default_value, doc) \
+  , py::arg(#member) = BridgeOptions{}.member
+#define KVBRIDGE_OPTION_PROPERTY_(type, member, default_value, doc) \
+  .def_property_readonly(                                           \
+      #member, [](const Bridge& b) { return b.options().member; }, doc)
+  py::class_<Bridge> bridge(m, "Bridge");
+  bridge
+      .def(py::init([](KVStore& store KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_OPTION_PARAM_)) {
              BridgeOptions o;
-             o.min_quality = min_quality;
-             o.write_back = write_back;
-             o.recompute_tail = recompute_tail;
-             o.min_agreement = min_agreement;
-             o.check_window = check_window;
-             o.min_checks = min_checks;
+             KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_OPTION_SET_)
              return std::make_unique<Bridge>(store, o);
            }),
-           py::arg("store"), py::arg("min_quality") = BridgeOptions{}.min_quality,
-           py::arg("write_back") = BridgeOptions{}.write_back,
-           py::arg("recompute_tail") = BridgeOptions{}.recompute_tail,
-           py::arg("min_agreement") = BridgeOptions{}.min_agreement,
-           py::arg("check_window") = BridgeOptions{}.check_window,
-           py::arg("min_checks") = BridgeOptions{}.min_checks,
+           py::arg("store") KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_OPTION_ARG_),
            py::keep_alive<1, 2>())  // the Bridge borrows the store
-      .def_property_readonly("min_quality", [](const Bridge& b) { return b.options().min_quality; })
-      .def_property_readonly("write_back", [](const Bridge& b) { return b.options().write_back; })
-      .def_property_readonly("recompute_tail",
-                             [](const Bridge& b) { return b.options().recompute_tail; })
-      .def_property_readonly("min_agreement",
-                             [](const Bridge& b) { return b.options().min_agreement; })
-      .def_property_readonly("check_window",
-                             [](const Bridge& b) { return b.options().check_window; })
-      .def_property_readonly("min_checks", [](const Bridge& b) { return b.options().min_checks; })
+      KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_OPTION_PROPERTY_)
       .def(
           "record_check",
           [](Bridge& b, const std::string& adapter, int64_t positions, int64_t agreed,
@@ -195,6 +186,19 @@ void bind_bridge(py::module_& m) {
           py::arg("namespace"))
       .def("stats", [](const Bridge& b) { return stats_dict(b.stats()); })
       .def("prometheus_text", &Bridge::prometheus_text);
+
+  // Bridge.OPTIONS: ((name, type, default, doc), ...) in the table's order, for the Python
+  // wrapper (kvbridge.Bridge takes its options from it) and the stub check.
+  py::list options;
+#define KVBRIDGE_OPTION_ROW_(type, member, default_value, doc) \
+  options.append(py::make_tuple(#member, python_type_name<type>(), BridgeOptions{}.member, doc));
+  KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_OPTION_ROW_)
+  bridge.attr("OPTIONS") = py::tuple(options);
+#undef KVBRIDGE_OPTION_ROW_
+#undef KVBRIDGE_OPTION_PROPERTY_
+#undef KVBRIDGE_OPTION_ARG_
+#undef KVBRIDGE_OPTION_SET_
+#undef KVBRIDGE_OPTION_PARAM_
 }
 
 }  // namespace kvbridge::python

@@ -1,5 +1,6 @@
 // pybind11 bindings: type conversions only. Argument checking lives in the C++ library (so C++
 // and Python callers get the same errors); Python-side type handling lives in python/kvbridge.
+#include <array>
 #include <optional>
 
 #include <pybind11/numpy.h>
@@ -7,9 +8,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <iterator>
+#include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "bind_bridge.h"
+#include "field_types.h"
 #include "tokens.h"
 #include "kvbridge/kvbridge.h"
 
@@ -137,6 +143,166 @@ ModelSpec spec_from_state(const py::tuple& t) {
   return s;
 }
 
+// Structs whose Python constructor, properties and FIELDS come from their field list:
+// Fields<T>::each(s, f) calls f(name, field) for every field of `s`; Fields<T>::args are the
+// constructor's argument names in order, each a field (the first `required` of them have no
+// default, the others T{}'s); check(s) runs on the constructed value.
+template <class T>
+struct Fields;
+
+// RopeScaling takes its arguments in the field list's order: the names, at compile time.
+constexpr size_t kScalingFields = [] {
+  size_t n = 0;
+  RopeScaling s{};
+  for_each_rope_scaling_field([&](const char*, auto&) { ++n; }, s);
+  return n;
+}();
+constexpr std::array<const char*, kScalingFields> kScalingArgs = [] {
+  std::array<const char*, kScalingFields> names{};
+  size_t i = 0;
+  RopeScaling s{};
+  for_each_rope_scaling_field([&](const char* name, auto&) { names[i++] = name; }, s);
+  return names;
+}();
+
+template <>
+struct Fields<RopeScaling> {
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+    for_each_rope_scaling_field(f, s);
+  }
+  static constexpr std::array<const char*, kScalingFields> args = kScalingArgs;
+  static constexpr size_t required = 0;
+  static void check(const RopeScaling&) {}  // ModelSpec::validate checks it in its spec
+};
+
+template <>
+struct Fields<ModelSpec> {
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+    for_each_spec_field(f, s);
+  }
+  // The order callers pass the arguments by position in: the four required fields, then the
+  // others. It is not the fingerprint order of for_each_spec_field; check_args() checks at
+  // import that it names every field of that list once, so a new field fails the import until
+  // it has a place here.
+  static constexpr std::array args{"name",       "num_layers", "num_kv_heads", "head_dim",
+                                   "dtype",      "version",    "tokenizer",    "rope_base",
+                                   "rope_style", "rope_scaling"};
+  static constexpr size_t required = 4;
+  static void check(const ModelSpec& s) { s.validate(); }
+};
+
+template <class T>
+void check_args() {
+  const T defaults{};
+  size_t fields = 0;
+  Fields<T>::each(defaults, [&](const char* name, const auto&) {
+    ++fields;
+    size_t found = 0;
+    for (const char* arg : Fields<T>::args) found += std::strcmp(arg, name) == 0;
+    if (found != 1)
+      throw std::logic_error(std::string("field '") + name + "' must be one argument, once");
+  });
+  if (fields != Fields<T>::args.size())
+    throw std::logic_error("an argument names no field");
+}
+
+// Calls f(field) for the field of `s` named `name`.
+template <class T, class S, class F>
+void with_field(S& s, const char* name, F&& f) {
+  Fields<T>::each(s, [&](const char* field, auto& value) {
+    if (std::strcmp(field, name) == 0) f(value);
+  });
+}
+
+// A constructor argument into a field: a wrong type is a TypeError naming it.
+std::string text_arg(const py::handle& v, const char* name) {
+  py::detail::make_caster<std::string> text;
+  if (!text.load(v, true))
+    throw py::type_error(std::string(name) + ": expected a str, got " +
+                         std::string(py::str(py::type::of(v).attr("__name__"))) + " " +
+                         std::string(py::repr(v)));
+  return py::detail::cast_op<std::string>(std::move(text));
+}
+void field_arg(const py::handle& o, const char* name, std::string* v) { *v = text_arg(o, name); }
+void field_arg(const py::handle& o, const char* name, int64_t* v) { *v = int_arg(o, name); }
+void field_arg(const py::handle& o, const char* name, double* v) { *v = real_arg(o, name); }
+void field_arg(const py::handle& o, const char* name, DType* v) {
+  *v = parse_dtype(text_arg(o, name));
+}
+void field_arg(const py::handle& o, const char* name, RopeStyle* v) {
+  *v = parse_rope_style(text_arg(o, name));
+}
+void field_arg(const py::handle& o, const char* name, RopeScaling::Type* v) {
+  *v = parse_rope_scaling_type(text_arg(o, name));
+}
+void field_arg(const py::handle& o, const char* name, RopeScaling* v) {
+  if (!py::isinstance<RopeScaling>(o))
+    throw py::type_error(std::string(name) + ": expected a kvbridge.RopeScaling, got " +
+                         std::string(py::str(py::type::of(o).attr("__name__"))));
+  *v = o.cast<RopeScaling>();
+}
+py::object field_py(const RopeScaling& v) { return py::cast(v); }
+
+template <class T, size_t I>
+auto arg_decl() {
+  const char* name = Fields<T>::args[I];
+  if constexpr (I < Fields<T>::required) {
+    return py::arg(name);
+  } else {
+    const T defaults{};
+    py::object value;
+    with_field<T>(defaults, name, [&](const auto& v) { value = field_py(v); });
+    return py::arg_v(name, value);
+  }
+}
+
+template <size_t>
+using PyObjectArg = const py::object&;
+
+// T(...): one argument per name of Fields<T>::args, each converted into its field (in argument
+// order), then Fields<T>::check.
+template <class T, size_t... I>
+void def_init(py::class_<T>& cls, std::index_sequence<I...>) {
+  cls.def(py::init([](PyObjectArg<I>... arg) {
+            const py::handle args[] = {arg...};
+            T s{};
+            for (size_t i = 0; i < sizeof...(I); ++i) {
+              const char* name = Fields<T>::args[i];
+              with_field<T>(s, name, [&](auto& field) { field_arg(args[i], name, &field); });
+            }
+            Fields<T>::check(s);
+            return s;
+          }),
+          arg_decl<T, I>()...);
+}
+
+// The constructor, a read-only property per field, and T.FIELDS: ((name, type, default), ...)
+// in argument order (default None for the required ones), which the stub check reads.
+template <class T>
+void def_fields(py::class_<T>& cls) {
+  check_args<T>();
+  constexpr size_t n = Fields<T>::args.size();
+  def_init(cls, std::make_index_sequence<n>());
+  const T defaults{};
+  py::list fields;
+  for (size_t i = 0; i < n; ++i) {
+    const char* name = Fields<T>::args[i];
+    with_field<T>(defaults, name, [&](const auto& v) {
+      using V = std::decay_t<decltype(v)>;
+      fields.append(py::make_tuple(name, kvbridge::python::python_type_name<V>(),
+                                   i < Fields<T>::required ? py::none() : field_py(v)));
+      cls.def_property_readonly(name, [name](const T& s) {
+        py::object out;
+        with_field<T>(s, name, [&](const auto& f) { out = field_py(f); });
+        return out;
+      });
+    });
+  }
+  cls.attr("FIELDS") = py::tuple(fields);
+}
+
 py::dict report_dict(const FitReport& r) {
   py::list layers;
   for (const LayerFit& lf : r.layers) {
@@ -197,62 +363,13 @@ PYBIND11_MODULE(_core, m) {
   m.def("version", &version);
   m.def("cuda_device_count", &cuda_device_count);
 
-  py::class_<RopeScaling>(m, "RopeScaling")
-      .def(py::init([](const std::string& type, const py::object& factor, const py::object& low,
-                       const py::object& high, const py::object& original_max_position) {
-             RopeScaling s;
-             s.type = parse_rope_scaling_type(type);
-             s.factor = real_arg(factor, "factor");
-             s.low_freq_factor = real_arg(low, "low_freq_factor");
-             s.high_freq_factor = real_arg(high, "high_freq_factor");
-             s.original_max_position = int_arg(original_max_position, "original_max_position");
-             return s;
-           }),
-           py::arg("type") = "none", py::arg("factor") = 1.0, py::arg("low_freq_factor") = 1.0,
-           py::arg("high_freq_factor") = 4.0, py::arg("original_max_position") = 8192)
-      .def_property_readonly("type",
-                             [](const RopeScaling& s) { return rope_scaling_type_name(s.type); })
-      .def_readonly("factor", &RopeScaling::factor)
-      .def_readonly("low_freq_factor", &RopeScaling::low_freq_factor)
-      .def_readonly("high_freq_factor", &RopeScaling::high_freq_factor)
-      .def_readonly("original_max_position", &RopeScaling::original_max_position)
-      .def(py::self == py::self);
+  py::class_<RopeScaling> scaling(m, "RopeScaling");
+  def_fields(scaling);
+  scaling.def(py::self == py::self);
 
-  py::class_<ModelSpec>(m, "ModelSpec")
-      .def(py::init([](std::string name, const py::object& num_layers,
-                       const py::object& num_kv_heads, const py::object& head_dim,
-                       const std::string& dtype, std::string version, std::string tokenizer,
-                       const py::object& rope_base, const std::string& rope_style,
-                       const RopeScaling& rope_scaling) {
-             ModelSpec s;
-             s.name = std::move(name);
-             s.num_layers = int_arg(num_layers, "num_layers");
-             s.num_kv_heads = int_arg(num_kv_heads, "num_kv_heads");
-             s.head_dim = int_arg(head_dim, "head_dim");
-             s.dtype = parse_dtype(dtype);
-             s.version = std::move(version);
-             s.tokenizer = std::move(tokenizer);
-             s.rope_base = real_arg(rope_base, "rope_base");
-             s.rope_style = parse_rope_style(rope_style);
-             s.rope_scaling = rope_scaling;
-             s.validate();
-             return s;
-           }),
-           py::arg("name"), py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::arg("dtype") = "float32", py::arg("version") = "", py::arg("tokenizer") = "",
-           py::arg("rope_base") = 10000.0, py::arg("rope_style") = "half",
-           py::arg("rope_scaling") = RopeScaling{})
-      .def_readonly("name", &ModelSpec::name)
-      .def_readonly("num_layers", &ModelSpec::num_layers)
-      .def_readonly("num_kv_heads", &ModelSpec::num_kv_heads)
-      .def_readonly("head_dim", &ModelSpec::head_dim)
-      .def_property_readonly("dtype", [](const ModelSpec& s) { return dtype_name(s.dtype); })
-      .def_readonly("version", &ModelSpec::version)
-      .def_readonly("tokenizer", &ModelSpec::tokenizer)
-      .def_readonly("rope_base", &ModelSpec::rope_base)
-      .def_property_readonly("rope_style",
-                             [](const ModelSpec& s) { return rope_style_name(s.rope_style); })
-      .def_readonly("rope_scaling", &ModelSpec::rope_scaling)
+  py::class_<ModelSpec> spec(m, "ModelSpec");
+  def_fields(spec);
+  spec
       .def_property_readonly("fingerprint", &ModelSpec::fingerprint)
       .def("kv_bytes_per_token", &ModelSpec::kv_bytes_per_token)
       .def(py::self == py::self)
