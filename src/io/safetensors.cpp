@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "kvbridge/error.h"
+#include "src/core/atomic_file.h"
 #include "src/core/byte_order.h"
 #include "src/core/path_check.h"
 
@@ -155,27 +156,6 @@ StTensor parse_tensor_entry(const std::string& name, const json& entry, uint64_t
                                        << " bytes but data_offsets [" << *begin << ", " << *end
                                        << "] span " << (*end - *begin));
   return t;
-}
-
-/// Writes all of [data, data + size) to `fd`; false (errno set) on failure.
-bool write_all(int fd, const unsigned char* data, size_t size) {
-  while (size > 0) {
-    const ssize_t n = ::write(fd, data, size);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-std::string parent_dir(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
 }
 
 }  // namespace
@@ -398,45 +378,16 @@ void write_safetensors(const std::string& path, const std::vector<StTensor>& ten
             "write_safetensors: header of " << text.size() << " bytes exceeds the limit of "
                                             << kMaxHeaderBytes << " bytes");
 
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd;
-  do {
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  } while (fd < 0 && errno == EINTR);
-  KVB_CHECK_AS(Unavailable, fd >= 0,
-               "write_safetensors: cannot create '" << tmp << "': " << errno_text(errno));
-
-  auto fail = [&](const char* what) {
-    const int err = errno;
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    KVB_CHECK_AS(Unavailable, false,
-                 "write_safetensors: cannot " << what << " '" << tmp << "': " << errno_text(err));
-  };
+  // A temporary file of this writer's own (unique per call, so writers of one path, in any
+  // threads or processes, never share one), fsynced, renamed over `path`, the directory fsynced.
+  detail::AtomicFile file = detail::AtomicFile::create(path, {}, "write_safetensors");
   unsigned char len[8];
   detail::store_le64(len, text.size());
-  if (!write_all(fd, len, sizeof(len)) ||
-      !write_all(fd, reinterpret_cast<const unsigned char*>(text.data()), text.size()))
-    fail("write");
+  file.write_or_throw(len, sizeof(len), "write_safetensors");
+  file.write_or_throw(text.data(), text.size(), "write_safetensors");
   for (const StTensor& t : tensors)
-    if (!write_all(fd, t.data.data(), t.data.size())) fail("write");
-  if (::fsync(fd) != 0) fail("fsync");
-  const int close_rc = ::close(fd);
-  fd = -1;
-  if (close_rc != 0) fail("close");
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    KVB_CHECK_AS(Unavailable, false,
-                 "write_safetensors: cannot rename '" << tmp << "' to '" << path
-                                                      << "': " << errno_text(err));
-  }
-  // Make the rename durable. Best effort: some file systems cannot fsync a directory.
-  const int dir = ::open(parent_dir(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    (void)::fsync(dir);
-    ::close(dir);
-  }
+    file.write_or_throw(t.data.data(), t.data.size(), "write_safetensors");
+  file.commit("write_safetensors");
 }
 
 }  // namespace kvbridge::io

@@ -42,8 +42,10 @@ struct StFile {
 
 /// Writes `tensors` (laid out in the given order) and `metadata` to `path`. The header is padded
 /// with spaces so the byte buffer starts at an 8-byte aligned file offset; "__metadata__" is
-/// omitted when `metadata` is empty. Atomic: writes `path` + ".tmp.<pid>", fsyncs it, renames it
-/// over `path` and fsyncs the directory, so readers see the old file or the new one.
+/// omitted when `metadata` is empty. Atomic (src/core/atomic_file.h): writes a temporary file of
+/// its own beside `path` (unique per call, so concurrent writers of one path never mix their
+/// bytes: the last rename wins), fsyncs it, renames it over `path` and fsyncs the directory, so
+/// readers see the old file or a whole new one.
 /// Throws InvalidArgument for a bad tensor (negative dim, data size not matching the shape,
 /// duplicate name, the reserved name "__metadata__", invalid UTF-8 in a string) and Unavailable
 /// when the file cannot be written.
