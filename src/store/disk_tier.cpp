@@ -23,8 +23,10 @@
 #include <vector>
 
 #include "kvbridge/error.h"
+#include "src/core/atomic_file.h"
 #include "src/core/xxh3.h"
 #include "src/store/eviction_order.h"
+#include "src/store/memory_tier.h"
 
 namespace kvbridge::detail {
 namespace {
@@ -120,16 +122,6 @@ bool readv_full(int fd, iovec* iov, int count) {
   return true;
 }
 
-bool write_full(int fd, iovec* iov, int count) {
-  while (count > 0) {
-    const ssize_t w = ::writev(fd, iov, count);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return false;
-    skip_done(iov, count, static_cast<size_t>(w));
-  }
-  return true;
-}
-
 int64_t mtime_ms(const struct stat& st) {
   return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000 + st.st_mtim.tv_nsec / 1000000;
 }
@@ -178,7 +170,7 @@ constexpr char kUsageMagic[8] = {'K', 'V', 'B', 'U', 'S', 'A', 'G', 'E'};
 constexpr char kLeaseMagic[8] = {'K', 'V', 'B', 'L', 'E', 'A', 'S', 'E'};
 constexpr size_t kStateFileBytes = 4096;
 constexpr char kLeaseSuffix[] = ".lease";
-constexpr char kTmpMark[] = ".tmp.";
+constexpr char kTmpMark[] = ".tmp.";  // AtomicFile's temporary names: <path>.tmp.<tag>.<n>
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() &&
@@ -209,18 +201,6 @@ int64_t steady_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
-}
-
-// Publishes `tmp` as `path` unless `path` exists: 0 or the errno. An atomic rename that never
-// replaces a file; where the file system lacks that (RENAME_NOREPLACE), a hard link and then
-// the temporary name's removal.
-int publish_noreplace(const std::string& tmp, const std::string& path) {
-  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) == 0) return 0;
-  const int err = errno;
-  if (err != EINVAL && err != ENOSYS && err != ENOTSUP && err != EOPNOTSUPP) return err;
-  if (::link(tmp.c_str(), path.c_str()) != 0) return errno;
-  ::unlink(tmp.c_str());
-  return 0;
 }
 
 struct Item {
@@ -431,18 +411,24 @@ struct DiskTier::Impl {
     return true;
   }
 
-  // Creates the temporary file; an empty directory removed by an invalidate (of this or any
-  // store) between making it and the open is made again, so that race costs no write.
-  int open_temp(const std::string& tmp, const std::string& path) {
-    for (int attempt = 0; attempt < 8; ++attempt) {
+  // Creates the entry's temporary file (named after this store's lease, so a sweep after its
+  // death finds it): 0 or the errno. An empty directory removed by an invalidate (of this or
+  // any store) between making it and the open is made again, so that race costs no write.
+  int open_temp(AtomicFile* file, const std::string& path) {
+    AtomicFile::Options o;
+    o.mode = kFileMode;
+    o.fsync = fsync_files;
+    o.fsync_dir = false;
+    o.tag = lease_id;
+    int err = ENOENT;
+    for (int attempt = 0; attempt < 8 && err == ENOENT; ++attempt) {
       if (!ensure_dirs(path, attempt > 0)) {
-        if (errno == ENOENT) continue;
-        return -1;
+        err = errno;
+        continue;
       }
-      const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, kFileMode);
-      if (fd >= 0 || errno != ENOENT) return fd;
+      err = file->open(path, o);
     }
-    return -1;
+    return err;
   }
 
   // Whether fp's file of key exists and has not expired, by one stat: indexes it if it does,
@@ -700,9 +686,8 @@ struct DiskTier::Impl {
   }
 };
 
-DiskTier::DiskTier(const StoreOptions& options, std::function<int64_t()> clock,
-                   TierCounters* counters)
-    : impl_(std::make_unique<Impl>(options, std::move(clock), counters)) {
+DiskTier::DiskTier(const StoreOptions& options, std::function<int64_t()> clock)
+    : impl_(std::make_unique<Impl>(options, std::move(clock), &counters_)) {
   impl_->open(options.disk_dir);
 }
 
@@ -728,7 +713,48 @@ bool DiskTier::has_file(const Hash128& key, const Fingerprint& fp) {
   return impl_->stat_file(key, fp, impl_->clock());
 }
 
-LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, LoadedMeta* meta) {
+void DiskTier::fill(StoreStats* s) const {
+  counters_.fill(&s->disk);
+  s->disk.enabled = true;
+  s->disk.capacity_bytes = capacity_bytes();
+  s->disk.bytes_used = bytes_used();
+  s->disk.entries = entries();
+}
+
+LoadResult DiskTier::load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>&,
+                          LoadedMeta* meta) {
+  if (!contains(chain.key(c), chain.fingerprint())) {
+    TierCounters::add(counters_.misses);
+    return LoadResult::kMiss;
+  }
+  char* payload = chain.payload(c);
+  if (!payload) return LoadResult::kNoRoom;
+  return read_entry(chain.expected(c), payload, meta);
+}
+
+bool DiskTier::wants(const Hash128& key, const Fingerprint& fp, const ChunkEntry*) {
+  return !has_file(key, fp);
+}
+
+void DiskTier::store(std::string_view, const Fingerprint& fp,
+                     const std::vector<ChunkWrite>& batch, std::vector<char>* stored) {
+  stored->assign(batch.size(), 0);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ChunkWrite& w = batch[i];
+    (*stored)[i] = write_entry(w.key, fp, w.packed->prefix.data(), w.packed->prefix.size(),
+                               w.entry->kv, w.entry->payload_bytes, w.packed->checksum,
+                               w.entry->created_ms);
+  }
+}
+
+int64_t DiskTier::erase(std::string_view, const Fingerprint& fp,
+                        const std::vector<Hash128>& keys) {
+  int64_t removed = 0;
+  for (const Hash128& key : keys) removed += erase_file(key, fp);
+  return removed;
+}
+
+LoadResult DiskTier::read_entry(const ExpectedEntry& want, char* payload, LoadedMeta* meta) {
   Impl& m = *impl_;
   TierCounters& c = *m.counters;
   uint64_t gen = 0;
@@ -808,14 +834,13 @@ LoadResult DiskTier::load(const ExpectedEntry& want, char* payload, LoadedMeta* 
   return LoadResult::kHit;
 }
 
-bool DiskTier::store(const Hash128& key, const Fingerprint& fp, const unsigned char* prefix,
-                     size_t prefix_bytes, const void* payload, size_t payload_bytes,
-                     const Hash128& checksum, int64_t created_ms) {
+bool DiskTier::write_entry(const Hash128& key, const Fingerprint& fp,
+                           const unsigned char* prefix, size_t prefix_bytes, const void* payload,
+                           size_t payload_bytes, const Hash128& checksum, int64_t created_ms) {
   Impl& m = *impl_;
   TierCounters& c = *m.counters;
   const size_t total = prefix_bytes + payload_bytes + kEntryTrailerBytes;
   const int64_t bytes = round_to_block(static_cast<int64_t>(total));
-  std::string tmp;
   const std::string path = m.path_of(key, fp);
   {
     std::lock_guard<std::mutex> lock(m.mu);
@@ -823,28 +848,26 @@ bool DiskTier::store(const Hash128& key, const Fingerprint& fp, const unsigned c
       TierCounters::add(c.write_failures);
       return false;
     }
-    tmp = path + kTmpMark + m.lease_id + "." + std::to_string(++m.tmp_seq);
   }
   // Reserved on the shared count and in this store's lease (which a recovery of this store,
   // should it die, takes back) until the file is published or abandoned.
   m.lease->reserved.fetch_add(bytes, std::memory_order_acq_rel);
-  auto fail = [&](int fd) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
+  AtomicFile file;
+  auto fail = [&] {
+    file.abandon();
     m.lease->reserved.fetch_sub(bytes, std::memory_order_acq_rel);
     m.release(bytes);
     TierCounters::add(c.errors);
     TierCounters::add(c.write_failures);
     return false;
   };
-  const int fd = m.open_temp(tmp, path);
-  if (fd < 0) return fail(-1);
+  if (m.open_temp(&file, path) != 0) return fail();
   unsigned char trailer[kEntryTrailerBytes];
   encode_trailer(checksum, trailer);
-  iovec iov[3] = {{const_cast<unsigned char*>(prefix), prefix_bytes},
-                  {const_cast<void*>(payload), payload_bytes},
-                  {trailer, sizeof trailer}};
-  if (!write_full(fd, iov, 3)) return fail(fd);
+  const iovec iov[3] = {{const_cast<unsigned char*>(prefix), prefix_bytes},
+                        {const_cast<void*>(payload), payload_bytes},
+                        {trailer, sizeof trailer}};
+  if (file.writev(iov, 3) != 0) return fail();
   // mtime = creation time, or the expiry under a TTL (marked by the sticky bit), so a scan
   // knows the entry's age without opening it.
   FileTimes times;
@@ -859,25 +882,24 @@ bool DiskTier::store(const Hash128& key, const Fingerprint& fp, const unsigned c
   ts[0].tv_nsec = UTIME_OMIT;
   ts[1].tv_sec = stamp / 1000;
   ts[1].tv_nsec = (stamp % 1000) * 1000000;
-  if (m.ttl_ms > 0 && ::fchmod(fd, kExpiringMode) != 0) return fail(fd);
-  if (::futimens(fd, ts) != 0) return fail(fd);
-  if (m.fsync_files && ::fsync(fd) != 0) return fail(fd);
-  if (::close(fd) != 0) return fail(-1);
+  if (m.ttl_ms > 0 && ::fchmod(file.fd(), kExpiringMode) != 0) return fail();
+  if (::futimens(file.fd(), ts) != 0) return fail();
+  if (file.finish() != 0) return fail();  // fsynced (disk_fsync) and closed
   // From here the shared count holds the bytes for the published file: were this process to
   // die before the publish, they would stay counted (never the reverse).
   m.lease->reserved.fetch_sub(bytes, std::memory_order_acq_rel);
-  int err = publish_noreplace(tmp, path);
+  int err = file.publish(AtomicFile::Publish::kNoReplace);
   if (err == EEXIST) {
     // Another store wrote the chunk first; an expired file is replaced.
     struct stat st{};
     if (::stat(path.c_str(), &st) == 0 && m.expired(file_times(st), m.clock()) &&
         m.remove_file(path, "", st.st_ino)) {
       TierCounters::add(c.expired);
-      err = publish_noreplace(tmp, path);
+      err = file.publish(AtomicFile::Publish::kNoReplace);
     }
   }
   if (err != 0) {
-    ::unlink(tmp.c_str());
+    file.abandon();
     m.release(bytes);
     if (err != EEXIST) {
       TierCounters::add(c.errors);
@@ -893,7 +915,7 @@ bool DiskTier::store(const Hash128& key, const Fingerprint& fp, const unsigned c
   return true;
 }
 
-bool DiskTier::erase(const Hash128& key, const Fingerprint& fp) {
+bool DiskTier::erase_file(const Hash128& key, const Fingerprint& fp) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   const bool removed = m.remove_file(m.path_of(key, fp));
@@ -902,7 +924,7 @@ bool DiskTier::erase(const Hash128& key, const Fingerprint& fp) {
   return removed;
 }
 
-int64_t DiskTier::invalidate(const Fingerprint& fp) {
+void DiskTier::invalidate(const Fingerprint& fp, InvalidateResult* r) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   int64_t removed = 0;
@@ -919,10 +941,11 @@ int64_t DiskTier::invalidate(const Fingerprint& fp) {
   // The emptied directories stay: another store may be writing into them (a directory made
   // again between its mkdir and its open would fail the write). A store that opens the
   // directory alone removes empty ones.
-  return removed;
+  r->disk = removed;
 }
 
-int64_t DiskTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter) {
+void DiskTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter,
+                                  InvalidateResult* r) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   int64_t removed = 0;
@@ -944,7 +967,7 @@ int64_t DiskTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& a
         if (it != m.index.end()) m.drop_locked(it);
       },
       [](const std::string&, const std::string&) {});
-  return removed;
+  r->disk = removed;
 }
 
 int64_t DiskTier::clear() {

@@ -27,7 +27,9 @@ using detail::EntryHeader;
 using detail::ExpectedEntry;
 using detail::Fingerprint;
 using detail::LoadResult;
+using detail::LowerTier;
 using detail::MemoryTier;
+using detail::PackedEntry;
 using detail::RedisTier;
 using detail::TierCounters;
 
@@ -104,12 +106,7 @@ Hash128 store_salt(std::string_view ns, const ModelSpec& spec, StorageFormat sto
 }
 
 // The encoded header + tokens and checksum of a chunk, for the lower tiers.
-struct Packed {
-  std::vector<unsigned char> prefix;
-  Hash128 checksum;
-};
-
-Packed pack(const ChunkEntry& e, const Hash128& key) {
+PackedEntry pack(const ChunkEntry& e, const Hash128& key) {
   EntryHeader h;
   h.dtype = e.dtype;
   h.storage = e.storage;
@@ -124,7 +121,7 @@ Packed pack(const ChunkEntry& e, const Hash128& key) {
   h.salt = e.salt;
   h.fingerprint = e.fp;
   h.provenance = e.provenance;
-  Packed p;
+  PackedEntry p;
   p.prefix.resize(detail::entry_prefix_bytes(e.chunk));
   detail::encode_entry_prefix(h, e.tokens.data(), p.prefix.data());
   p.checksum = detail::entry_checksum(p.prefix.data(), p.prefix.size(), e.kv, e.payload_bytes);
@@ -142,14 +139,12 @@ struct KVStore::Impl {
   std::function<int64_t()> clock;
   const int64_t ttl_ms;
   MemoryTier memory;
-  std::unique_ptr<DiskTier> disk;
-  std::unique_ptr<RedisTier> redis;
+  // The tiers below memory in the order lookups walk them (disk, then Redis).
+  std::vector<std::unique_ptr<LowerTier>> tiers;
 
   KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STATS_ATOMIC_)
-  TierCounters disk_counters, redis_counters;
-  detail::RemoteCounters remote_counters;
 
-  bool lower_tiers() const { return disk || redis; }
+  bool lower_tiers() const { return !tiers.empty(); }
 
   Call call(const ModelSpec& spec, std::string_view ns) const {
     // The fingerprint formats every field (doubles with %.17g): a few microseconds, worth
@@ -224,151 +219,81 @@ struct KVStore::Impl {
     Hash128 parent(size_t c) { return c == 0 ? salt : at(c - 1); }
   };
 
-  // What one fetched Redis value became: verified into a new (not yet indexed) entry, or not.
-  struct RemoteSlot {
-    bool present = false;
-    bool no_room = false;
-    bool drop = false;  // corrupt or expired: delete it from the server
-    LoadResult result = LoadResult::kMiss;
-    std::shared_ptr<ChunkEntry> entry;
-  };
-  // A window of Redis values fetched in one round trip: chunks [begin, begin + count).
-  struct RemoteWindow {
-    size_t begin = 0;
-    size_t count = 0;
-    std::vector<RemoteSlot> slots;
-    std::vector<std::string> names;
-    int64_t epoch = -1;  // RedisTier::epoch() before the fetch
-  };
+  // One match() call's chain, as the lower tiers see it: chunk payloads are read into memory
+  // entries made here (fresh[c]), which the store indexes on a hit.
+  struct Lookup final : detail::ChainLookup {
+    Lookup(Impl& store, const Call& c, Keys& k, size_t n)
+        : m(store), call(c), keys(k), count(n), states(store.tiers.size()) {}
+    Impl& m;
+    const Call& call;
+    Keys& keys;
+    size_t count;
+    std::vector<std::shared_ptr<ChunkEntry>> fresh;  // sized on first use
+    std::vector<std::unique_ptr<LowerTier::LookupState>> states;  // one per tier
 
-  // Fetches the values of chunk c and of the following chunks that neither memory nor disk
-  // holds and the filter lets through, up to redis_batch_bytes. False: chunk c is a miss.
-  bool fetch_window(const Call& call, Keys& keys, size_t c, size_t chunks, RemoteWindow* w) {
-    detail::RemoteCounters& rc = remote_counters;
-    if (!redis->may_contain(keys.at(c))) {
-      TierCounters::add(rc.filter_negatives);
-      TierCounters::add(redis_counters.misses);
+    std::string_view ns() const override { return call.ns; }
+    const Fingerprint& fingerprint() const override { return call.shape.fp; }
+    size_t chunks() const override { return count; }
+    const Hash128& key(size_t c) override { return keys.at(c); }
+    const uint32_t* ids(size_t c) const {
+      return keys.tokens + static_cast<int64_t>(c) * call.shape.chunk;
+    }
+    ExpectedEntry expected(size_t c) override {
+      return m.expected(call, keys.at(c), keys.parent(c), ids(c));
+    }
+    bool held_above(size_t c, const LowerTier& tier) override {
+      const Hash128& k = keys.at(c);
+      if (m.memory.contains(k)) return true;
+      for (const auto& t : m.tiers) {
+        if (t.get() == &tier) break;
+        if (t->contains(k, call.shape.fp)) return true;
+      }
       return false;
     }
-    TierCounters::add(rc.filter_passes);
-    const size_t value_bytes =
-        detail::entry_encoded_bytes(call.shape.chunk, call.shape.payload_bytes);
-    const size_t limit = std::max<size_t>(
-        1, std::min<size_t>(1024, static_cast<size_t>(options.redis_batch_bytes) / value_bytes));
-    w->begin = c;
-    w->epoch = redis->epoch();
-    w->names.clear();
-    w->names.push_back(redis->key_for(call.ns, call.shape.fp, keys.at(c)));
-    for (size_t k = c + 1; k < chunks && w->names.size() < limit; ++k) {
-      const Hash128& key = keys.at(k);
-      if (!redis->may_contain(key) || memory.contains(key) || (disk && disk->contains(key, call.shape.fp)))
-        break;
-      w->names.push_back(redis->key_for(call.ns, call.shape.fp, key));
+    char* payload(size_t c) override {
+      if (fresh.size() < count) fresh.resize(count);
+      if (!fresh[c]) fresh[c] = m.memory.new_entry(call.shape, keys.parent(c), ids(c), call.now_ms);
+      return fresh[c] ? fresh[c]->kv : nullptr;
     }
-    w->count = w->names.size();
-    w->slots.assign(w->count, RemoteSlot{});
-    // Each value is verified and copied into its entry while hiredis parses the reply.
-    auto consume = [&](size_t i, const unsigned char* data, size_t size) {
-      if (i >= w->count) return;
-      RemoteSlot& slot = w->slots[i];
-      slot.present = true;
-      const size_t k = w->begin + i;
-      const uint32_t* ids = keys.tokens + static_cast<int64_t>(k) * call.shape.chunk;
-      const ExpectedEntry want = expected(call, keys.at(k), keys.parent(k), ids);
-      slot.entry = memory.new_entry(call.shape, keys.parent(k), ids, call.now_ms);
-      if (!slot.entry) {
-        slot.no_room = true;
-        return;
-      }
-      detail::LoadedMeta meta;
-      slot.result = detail::load_value(data, size, want, slot.entry->kv, &meta,
-                                       &redis_counters, &slot.drop);
-      if (slot.result == LoadResult::kHit) {
-        slot.entry->created_ms = meta.created_ms;
-        slot.entry->provenance = meta.provenance;
-      } else {
-        slot.entry.reset();
-      }
-    };
-    if (!redis->fetch(w->names, consume)) {
-      w->count = 0;
-      w->slots.clear();
-      TierCounters::add(redis_counters.misses);
-      return false;
+    void discard(size_t c) override {
+      if (c < fresh.size()) fresh[c].reset();
     }
-    std::vector<std::string> damaged;
-    for (size_t i = 0; i < w->count; ++i)
-      if (w->slots[i].drop) damaged.push_back(w->names[i]);
-    if (!damaged.empty()) redis->remove(damaged);
-    return true;
-  }
+  };
 
-  // Looks chunk c up in the disk tier, then Redis, and promotes a hit into memory. Returns the
+  // Looks chunk c up in each lower tier in turn and promotes a hit into memory. Returns the
   // pinned entry, or nullptr (a miss or a collision, *collision says which; or no room).
-  std::shared_ptr<const ChunkEntry> load_lower(const Call& call, Keys& keys, size_t c,
-                                               size_t chunks, RemoteWindow* window,
-                                               bool* collision) {
-    const Hash128 key = keys.at(c);
-    const Hash128 parent = keys.parent(c);
-    const uint32_t* ids = keys.tokens + static_cast<int64_t>(c) * call.shape.chunk;
-    const ExpectedEntry want = expected(call, key, parent, ids);
-    std::shared_ptr<ChunkEntry> entry;
-    auto promote = [&](TierCounters& tier) -> std::shared_ptr<const ChunkEntry> {
+  std::shared_ptr<const ChunkEntry> load_lower(Lookup& lookup, size_t c, bool* collision) {
+    const Hash128 key = lookup.key(c);
+    for (size_t t = 0; t < tiers.size(); ++t) {
+      LowerTier& tier = *tiers[t];
+      detail::LoadedMeta meta;
+      const LoadResult r = tier.load(lookup, c, lookup.states[t], &meta);
+      if (r == LoadResult::kMiss) continue;
+      if (r == LoadResult::kNoRoom) {
+        promotions_rejected.fetch_add(1, std::memory_order_relaxed);
+        return nullptr;
+      }
+      if (r == LoadResult::kCollision) {
+        *collision = true;
+        return nullptr;
+      }
+      std::shared_ptr<ChunkEntry> entry = std::move(lookup.fresh[c]);
+      entry->created_ms = meta.created_ms;
+      entry->provenance = meta.provenance;
+      if (meta.redis_epoch >= 0)
+        entry->redis_epoch.store(meta.redis_epoch, std::memory_order_relaxed);
       std::shared_ptr<const ChunkEntry> pin;
       bool inserted = false;
-      if (memory.insert(key, std::move(entry), call.now_ms, &pin, &inserted) ==
+      if (memory.insert(key, std::move(entry), lookup.call.now_ms, &pin, &inserted) ==
           MemoryTier::Probe::kCollision) {
         *collision = true;
         return nullptr;
       }
       if (inserted) promotions.fetch_add(1, std::memory_order_relaxed);
-      TierCounters::add(tier.hit_chunks);
+      TierCounters::add(tier.counters().hit_chunks);
       return pin;
-    };
-    auto allocate = [&](int64_t created) {
-      if (!entry) entry = memory.new_entry(call.shape, parent, ids, created);
-      if (!entry) promotions_rejected.fetch_add(1, std::memory_order_relaxed);
-      return entry != nullptr;
-    };
-
-    if (disk) {
-      if (disk->contains(key, call.shape.fp)) {
-        if (!allocate(call.now_ms)) return nullptr;
-        detail::LoadedMeta meta;
-        const LoadResult r = disk->load(want, entry->kv, &meta);
-        if (r == LoadResult::kHit) {
-          entry->created_ms = meta.created_ms;
-          entry->provenance = meta.provenance;
-          return promote(disk_counters);
-        }
-        if (r == LoadResult::kCollision) {
-          *collision = true;
-          return nullptr;
-        }
-      } else {
-        TierCounters::add(disk_counters.misses);
-      }
     }
-    if (!redis) return nullptr;
-    if (c < window->begin || c >= window->begin + window->count) {
-      if (!fetch_window(call, keys, c, chunks, window)) return nullptr;
-    }
-    RemoteSlot& slot = window->slots[c - window->begin];
-    if (!slot.present) {
-      TierCounters::add(redis_counters.misses);
-      if (redis->filter_active())
-        TierCounters::add(remote_counters.filter_false_positives);
-      return nullptr;
-    }
-    if (slot.no_room) {
-      promotions_rejected.fetch_add(1, std::memory_order_relaxed);
-      return nullptr;
-    }
-    if (slot.result == LoadResult::kCollision) *collision = true;
-    if (slot.result != LoadResult::kHit) return nullptr;
-    entry = std::move(slot.entry);
-    entry->redis_epoch.store(window->epoch, std::memory_order_relaxed);
-    return promote(redis_counters);
+    return nullptr;
   }
 };
 
@@ -390,13 +315,9 @@ KVStore::KVStore(const StoreOptions& options) {
             "disk_capacity_bytes must be > 0, got " << options.disk_capacity_bytes);
   if (!options.disk_dir.empty()) detail::check_path(options.disk_dir, "disk_dir");
   impl_ = std::make_unique<Impl>(options);
-  if (!options.disk_dir.empty()) {
-    impl_->disk = std::make_unique<DiskTier>(options, impl_->clock, &impl_->disk_counters);
-  }
-  if (!options.redis_url.empty()) {
-    impl_->redis = std::make_unique<RedisTier>(options, &impl_->redis_counters,
-                                               &impl_->remote_counters);
-  }
+  if (!options.disk_dir.empty())
+    impl_->tiers.push_back(std::make_unique<DiskTier>(options, impl_->clock));
+  if (!options.redis_url.empty()) impl_->tiers.push_back(std::make_unique<RedisTier>(options));
 }
 
 KVStore::~KVStore() = default;
@@ -424,34 +345,28 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
   // chunks 0..c-1 of the same prefix (and the lower tiers can be written from them).
   std::vector<std::shared_ptr<const ChunkEntry>> held;
   held.reserve(static_cast<size_t>(chunks));
-  // kept[c]: chunk c is in memory or on disk; Redis results arrive when a batch is flushed.
+  // kept[c]: chunk c is in memory or in a tier that stores each chunk at once; stored_below[c]:
+  // a batched write of it succeeded (known when its batch is flushed).
   std::vector<char> kept;
-  struct RemoteWrite {
-    int64_t chunk;
-    Hash128 key;
-    std::shared_ptr<const ChunkEntry> entry;
-    Packed packed;
+  std::vector<char> stored_below(static_cast<size_t>(chunks), 0);
+  // The writes each batching tier has gathered; a deque keeps the packed entries in place.
+  std::deque<PackedEntry> packs;
+  struct Batch {
+    std::vector<LowerTier::ChunkWrite> writes;
+    std::vector<int64_t> chunk_of;
+    size_t bytes = 0;
   };
-  std::deque<RemoteWrite> pending;  // deque: stable element addresses
-  std::vector<char> remote_ok(static_cast<size_t>(chunks), 0);
-  size_t pending_bytes = 0;
-  auto flush = [&] {
-    if (pending.empty()) return;
-    std::vector<RedisTier::Write> writes;
-    for (const RemoteWrite& w : pending) {
-      writes.push_back({m.redis->key_for(ns, call.shape.fp, w.key), w.key, w.packed.prefix.data(),
-                        w.packed.prefix.size(), w.entry->kv, w.entry->payload_bytes,
-                        w.packed.checksum});
-    }
-    const int64_t epoch = m.redis->epoch();  // read first: a failure meanwhile re-sends
-    const bool ok = m.redis->store(writes, m.ttl_ms);
-    for (const RemoteWrite& w : pending) {
-      remote_ok[static_cast<size_t>(w.chunk)] = ok;
-      if (ok) w.entry->redis_epoch.store(epoch, std::memory_order_relaxed);
-    }
-    pending.clear();
-    pending_bytes = 0;
+  std::vector<Batch> batches(m.tiers.size());
+  std::vector<char> done;
+  auto flush = [&](size_t t) {
+    Batch& b = batches[t];
+    if (b.writes.empty()) return;
+    m.tiers[t]->store(ns, call.shape.fp, b.writes, &done);
+    for (size_t i = 0; i < b.writes.size(); ++i)
+      if (done[i]) stored_below[static_cast<size_t>(b.chunk_of[i])] = 1;
+    b = Batch{};
   };
+  std::vector<char> wanted(m.tiers.size());
 
   for (int64_t c = 0; c < chunks; ++c) {
     const uint32_t* ids = ids_all.data() + c * chunk;
@@ -483,42 +398,45 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
     } else if (pinned) {
       m.chunks_present.fetch_add(1, std::memory_order_relaxed);
     }
-    bool in_lower = false;
+    bool in_lower = false;  // in a tier that stores at once (or already held there)
+    bool batched = false;   // handed to a batching tier
     if (m.lower_tiers()) {
-      // Without room in memory the chunk is packed from the caller's view into a transient
-      // entry of its own (not accounted: it lives only until this call returns).
-      std::shared_ptr<const ChunkEntry> source = pinned;
-      if (!source) {
-        auto transient = MemoryTier::transient_entry(call.shape, parent, ids, call.now_ms);
-        transient->provenance = origin;
-        transient->fill_from(kv.slice_tokens(c * chunk, chunk));
-        source = std::move(transient);
-      }
-      const bool to_disk = m.disk && !m.disk->has_file(key, call.shape.fp);
-      // Redis gets every chunk it is not known to hold: new ones, and ones put or promoted
-      // while it was down or before it last failed (so an outage is repaired by the next put).
-      const bool to_redis =
-          m.redis && (!pinned || pinned->redis_epoch.load(std::memory_order_relaxed) !=
-                                     m.redis->epoch());
-      if (to_disk || to_redis) {
-        Packed packed = pack(*source, key);
-        if (to_disk) {
-          in_lower = m.disk->store(key, call.shape.fp, packed.prefix.data(), packed.prefix.size(),
-                                   source->kv, source->payload_bytes, packed.checksum,
-                                   source->created_ms);
-        } else if (m.disk) {
-          in_lower = true;  // already there
+      bool any = false;
+      for (size_t t = 0; t < m.tiers.size(); ++t)
+        any |= (wanted[t] = m.tiers[t]->wants(key, call.shape.fp, pinned.get()));
+      if (any) {
+        // Without room in memory the chunk is packed from the caller's view into a transient
+        // entry of its own (not accounted: it lives only until this call returns).
+        std::shared_ptr<const ChunkEntry> source = pinned;
+        if (!source) {
+          auto transient = MemoryTier::transient_entry(call.shape, parent, ids, call.now_ms);
+          transient->provenance = origin;
+          transient->fill_from(kv.slice_tokens(c * chunk, chunk));
+          source = std::move(transient);
         }
-        if (to_redis) {
-          pending_bytes += packed.prefix.size() + source->payload_bytes;
-          pending.push_back({c, key, source, std::move(packed)});
-          if (pending_bytes >= static_cast<size_t>(m.options.redis_batch_bytes)) flush();
+        packs.push_back(pack(*source, key));
+        const LowerTier::ChunkWrite write{key, &packs.back(), source};
+        for (size_t t = 0; t < m.tiers.size(); ++t) {
+          LowerTier& tier = *m.tiers[t];
+          if (!wanted[t]) {
+            in_lower = true;  // the tier holds it already
+          } else if (tier.batch_bytes() == 0) {
+            tier.store(ns, call.shape.fp, {write}, &done);
+            in_lower |= done[0] != 0;
+          } else {
+            Batch& batch = batches[t];
+            batch.writes.push_back(write);
+            batch.chunk_of.push_back(c);
+            batch.bytes += write.packed->prefix.size() + source->payload_bytes;
+            batched = true;
+            if (batch.bytes >= tier.batch_bytes()) flush(t);
+          }
         }
       } else {
-        in_lower = m.disk != nullptr;
+        in_lower = true;  // every tier holds it already
       }
     }
-    if (!pinned && !in_lower && !m.redis) {
+    if (!pinned && !in_lower && !batched) {
       m.chunks_rejected.fetch_add(chunks - c, std::memory_order_relaxed);
       break;
     }
@@ -526,10 +444,10 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
     if (pinned) held.push_back(std::move(pinned));
     parent = key;
   }
-  if (m.redis) flush();
+  for (size_t t = 0; t < m.tiers.size(); ++t) flush(t);
   int64_t stored = 0;
   while (stored < static_cast<int64_t>(kept.size()) &&
-         (kept[static_cast<size_t>(stored)] || remote_ok[static_cast<size_t>(stored)]))
+         (kept[static_cast<size_t>(stored)] || stored_below[static_cast<size_t>(stored)]))
     ++stored;
   if (stored < static_cast<int64_t>(kept.size()))
     m.chunks_rejected.fetch_add(static_cast<int64_t>(kept.size()) - stored,
@@ -549,7 +467,7 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
   Impl::Keys keys{ids_all.data(), chunk, {}, call.shape.salt};  // hashed lazily: a miss stops early
   keys.h.reserve(chunks);
   result.entries_.reserve(chunks);
-  Impl::RemoteWindow window;
+  std::unique_ptr<Impl::Lookup> lookup;  // made at the first memory miss
   int64_t memory_hits = 0;  // counted once per call, not per chunk
   for (size_t c = 0; c < chunks; ++c) {
     const Hash128 key = keys.at(c);
@@ -566,7 +484,8 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
       TierCounters::add(m.memory.counters().misses);
       if (!m.lower_tiers()) break;
       bool collision = false;
-      pinned = m.load_lower(call, keys, c, chunks, &window, &collision);
+      if (!lookup) lookup = std::make_unique<Impl::Lookup>(m, call, keys, chunks);
+      pinned = m.load_lower(*lookup, c, &collision);
       if (collision) m.collisions.fetch_add(1, std::memory_order_relaxed);
       if (!pinned) break;
     }
@@ -590,18 +509,16 @@ int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view
   const std::vector<Hash128> keys = prefix_hashes(salt, TokenSpan(ids.data(), ids.size()), chunk);
   int64_t removed = 0;
   Hash128 parent = salt;
-  std::vector<std::string> remote;
-  const Fingerprint fp = detail::to_fingerprint(spec.fingerprint());
   for (size_t c = 0; c < keys.size(); ++c) {
     if ((tiers & kMemoryTier) && m.memory.erase(keys[c], salt, parent, ids.data() + c * chunk)) {
       ++removed;
       m.erased.fetch_add(1, std::memory_order_relaxed);
     }
-    if ((tiers & kDiskTier) && m.disk && m.disk->erase(keys[c], fp)) ++removed;
-    if ((tiers & kRedisTier) && m.redis) remote.push_back(m.redis->key_for(ns, fp, keys[c]));
     parent = keys[c];
   }
-  if (!remote.empty()) m.redis->remove(remote);
+  const Fingerprint fp = detail::to_fingerprint(spec.fingerprint());
+  for (const auto& tier : m.tiers)
+    if (tiers & tier->mask_bit()) removed += tier->erase(ns, fp, keys);
   return removed;
 }
 
@@ -612,8 +529,7 @@ InvalidateResult KVStore::invalidate(const ModelSpec& spec) {
   InvalidateResult r;
   r.memory = m.memory.erase_if([&](const ChunkEntry& e) { return e.fp == fp; });
   m.erased.fetch_add(r.memory, std::memory_order_relaxed);
-  if (m.disk) r.disk = m.disk->invalidate(fp);
-  if (m.redis) r.redis = m.redis->invalidate(fp, &r.redis_complete);
+  for (const auto& tier : m.tiers) tier->invalidate(fp, &r);
   return r;
 }
 
@@ -628,18 +544,17 @@ InvalidateResult KVStore::invalidate_adapter(const ModelSpec& target,
   const Fingerprint fp = detail::to_fingerprint(target_fp);
   InvalidateResult r;
   r.memory = m.memory.erase_if(
-      [&](const ChunkEntry& e) { return e.fp == fp && e.provenance.adapter == adapter;
-  m.erased.fetch_add(r.memory, std::memory_order_relaxed); });
-  if (m.disk) r.disk = m.disk->invalidate_adapter(fp, adapter);
-  if (m.redis) r.redis = m.redis->invalidate_adapter(fp, adapter, &r.redis_complete);
+      [&](const ChunkEntry& e) { return e.fp == fp && e.provenance.adapter == adapter; });
+  m.erased.fetch_add(r.memory, std::memory_order_relaxed);
+  for (const auto& tier : m.tiers) tier->invalidate_adapter(fp, adapter, &r);
   return r;
 }
 
 void KVStore::clear(unsigned tiers) {
   Impl& m = *impl_;
   if (tiers & kMemoryTier) m.erased.fetch_add(m.memory.clear(), std::memory_order_relaxed);
-  if ((tiers & kDiskTier) && m.disk) m.disk->clear();
-  if ((tiers & kRedisTier) && m.redis) m.redis->clear();
+  for (const auto& tier : m.tiers)
+    if (tiers & tier->mask_bit()) tier->clear();
 }
 
 StoreStats KVStore::stats() const {
@@ -650,20 +565,7 @@ StoreStats KVStore::stats() const {
   KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STORE_LOAD_)
 #undef KVBRIDGE_STORE_LOAD_
   m.memory.fill(&st);
-
-  m.disk_counters.fill(&st.disk);
-  if (m.disk) {
-    st.disk.enabled = true;
-    st.disk.capacity_bytes = m.disk->capacity_bytes();
-    st.disk.bytes_used = m.disk->bytes_used();
-    st.disk.entries = m.disk->entries();
-  }
-  m.redis_counters.fill(&st.redis);
-  m.remote_counters.fill(&st.remote);
-  if (m.redis) {
-    st.redis.enabled = true;
-    st.remote.filter_active = m.redis->filter_active();
-  }
+  for (const auto& tier : m.tiers) tier->fill(&st);  // an absent tier's section stays zero
   return st;
 }
 

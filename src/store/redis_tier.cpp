@@ -2,12 +2,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <thread>
 
 #include "kvbridge/error.h"
+#include "src/store/memory_tier.h"
 #include "src/store/redis_filter.h"
 #include "src/store/redis_pool.h"
 #include "src/store/redis_resp.h"
@@ -281,9 +283,7 @@ struct RedisTier::Impl {
   }
 };
 
-RedisTier::RedisTier(const StoreOptions& options, TierCounters* counters,
-                     RemoteCounters* remote)
-{
+RedisTier::RedisTier(const StoreOptions& options) {
   KVB_CHECK(options.redis_connect_timeout_ms > 0 && options.redis_command_timeout_ms > 0,
             "redis timeouts must be > 0 ms");
   KVB_CHECK(options.redis_pool_size >= 1, "redis_pool_size must be >= 1");
@@ -300,7 +300,7 @@ RedisTier::RedisTier(const StoreOptions& options, TierCounters* counters,
   KVB_CHECK(options.redis_filter_hashes >= 1 && options.redis_filter_hashes <= 16,
             "redis_filter_hashes must be in [1, 16], got " << options.redis_filter_hashes);
   KVB_CHECK(options.redis_filter_refresh_ms > 0, "redis_filter_refresh_ms must be > 0");
-  impl_ = std::make_unique<Impl>(options, counters, remote);
+  impl_ = std::make_unique<Impl>(options, &counters_, &remote_);
   Impl& m = *impl_;
   std::string p;
   percent_encode_into(&p, options.redis_key_prefix);
@@ -356,8 +356,9 @@ bool RedisTier::fetch(const std::vector<std::string>& keys, const ValueConsumer&
   return r && r->type == REDIS_REPLY_ARRAY && r->elements == keys.size();
 }
 
-bool RedisTier::store(const std::vector<Write>& writes, int64_t ttl_ms) {
+bool RedisTier::write_values(const std::vector<Write>& writes) {
   Impl& m = *impl_;
+  const int64_t ttl_ms = m.options.ttl_seconds * 1000;
   if (writes.empty()) return true;
   redisContext* c = m.pool.acquire(false);
   if (!c) {
@@ -434,19 +435,150 @@ bool RedisTier::remove(const std::vector<std::string>& keys) {
   return r && r->type == REDIS_REPLY_INTEGER;
 }
 
-int64_t RedisTier::invalidate(const Fingerprint& fp, bool* complete) {
+void RedisTier::invalidate(const Fingerprint& fp, InvalidateResult* r) {
   Impl& m = *impl_;
-  *complete = true;
+  r->redis_complete = true;
   // Namespaces are percent-encoded, so no ':' of theirs can fake the fingerprint component.
-  return m.delete_matching(m.glob_prefix() + "*:" + fingerprint_string(fp) + ":*", complete);
+  r->redis = m.delete_matching(m.glob_prefix() + "*:" + fingerprint_string(fp) + ":*",
+                               &r->redis_complete);
 }
 
-int64_t RedisTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter,
-                                      bool* complete) {
+void RedisTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter,
+                                   InvalidateResult* r) {
   Impl& m = *impl_;
-  *complete = true;
-  return m.delete_matching(m.glob_prefix() + "*:" + fingerprint_string(fp) + ":*", complete,
-                           &adapter);
+  r->redis_complete = true;
+  r->redis = m.delete_matching(m.glob_prefix() + "*:" + fingerprint_string(fp) + ":*",
+                               &r->redis_complete, &adapter);
+}
+
+void RedisTier::fill(StoreStats* s) const {
+  counters_.fill(&s->redis);
+  remote_.fill(&s->remote);
+  s->redis.enabled = true;
+  s->remote.filter_active = filter_active();
+}
+
+size_t RedisTier::batch_bytes() const {
+  return static_cast<size_t>(impl_->options.redis_batch_bytes);
+}
+
+bool RedisTier::wants(const Hash128&, const Fingerprint&, const ChunkEntry* pinned) {
+  return !pinned || pinned->redis_epoch.load(std::memory_order_relaxed) != epoch();
+}
+
+void RedisTier::store(std::string_view ns, const Fingerprint& fp,
+                      const std::vector<ChunkWrite>& batch, std::vector<char>* stored) {
+  std::vector<Write> writes;
+  writes.reserve(batch.size());
+  for (const ChunkWrite& w : batch) {
+    writes.push_back({key_for(ns, fp, w.key), w.key, w.packed->prefix.data(),
+                      w.packed->prefix.size(), w.entry->kv, w.entry->payload_bytes,
+                      w.packed->checksum});
+  }
+  const int64_t before = epoch();  // read first: a failure meanwhile re-sends
+  const bool ok = write_values(writes);
+  stored->assign(batch.size(), ok);
+  if (ok)
+    for (const ChunkWrite& w : batch) w.entry->redis_epoch.store(before, std::memory_order_relaxed);
+}
+
+int64_t RedisTier::erase(std::string_view ns, const Fingerprint& fp,
+                         const std::vector<Hash128>& keys) {
+  std::vector<std::string> names;
+  names.reserve(keys.size());
+  for (const Hash128& key : keys) names.push_back(key_for(ns, fp, key));
+  if (!names.empty()) remove(names);
+  return 0;
+}
+
+// What one fetched value became: verified into chain.payload(k), or not.
+struct RedisTier::Slot {
+  bool present = false;
+  bool no_room = false;
+  bool drop = false;  // corrupt or expired: delete it from the server
+  LoadResult result = LoadResult::kMiss;
+  LoadedMeta meta;
+};
+
+// A lookup's window of values fetched in one round trip: chunks [begin, begin + count).
+struct RedisTier::Window : LookupState {
+  size_t begin = 0;
+  size_t count = 0;
+  std::vector<Slot> slots;
+  std::vector<std::string> names;
+  int64_t epoch = -1;  // epoch() before the fetch
+};
+
+bool RedisTier::fetch_window(ChainLookup& chain, size_t c, Window* w) {
+  RemoteCounters& rc = remote_;
+  if (!may_contain(chain.key(c))) {
+    TierCounters::add(rc.filter_negatives);
+    TierCounters::add(counters_.misses);
+    return false;
+  }
+  TierCounters::add(rc.filter_passes);
+  const ExpectedEntry first = chain.expected(c);
+  const size_t value_bytes = entry_encoded_bytes(first.chunk, first.payload_bytes);
+  const size_t limit = std::max<size_t>(
+      1, std::min<size_t>(1024, static_cast<size_t>(impl_->options.redis_batch_bytes) /
+                                    value_bytes));
+  w->begin = c;
+  w->epoch = epoch();
+  w->names.clear();
+  w->names.push_back(key_for(chain.ns(), chain.fingerprint(), chain.key(c)));
+  for (size_t k = c + 1; k < chain.chunks() && w->names.size() < limit; ++k) {
+    const Hash128& key = chain.key(k);
+    if (!may_contain(key) || chain.held_above(k, *this)) break;
+    w->names.push_back(key_for(chain.ns(), chain.fingerprint(), key));
+  }
+  w->count = w->names.size();
+  w->slots.assign(w->count, Slot{});
+  // Each value is verified and copied into its buffer while hiredis parses the reply.
+  auto consume = [&](size_t i, const unsigned char* data, size_t size) {
+    if (i >= w->count) return;
+    Slot& slot = w->slots[i];
+    slot.present = true;
+    const size_t k = w->begin + i;
+    char* payload = chain.payload(k);
+    if (!payload) {
+      slot.no_room = true;
+      return;
+    }
+    slot.result =
+        load_value(data, size, chain.expected(k), payload, &slot.meta, &counters_, &slot.drop);
+    if (slot.result != LoadResult::kHit) chain.discard(k);
+  };
+  if (!fetch(w->names, consume)) {
+    w->count = 0;
+    w->slots.clear();
+    TierCounters::add(counters_.misses);
+    return false;
+  }
+  std::vector<std::string> damaged;
+  for (size_t i = 0; i < w->count; ++i)
+    if (w->slots[i].drop) damaged.push_back(w->names[i]);
+  if (!damaged.empty()) remove(damaged);
+  return true;
+}
+
+LoadResult RedisTier::load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>& state,
+                           LoadedMeta* meta) {
+  if (!state) state = std::make_unique<Window>();
+  Window& w = static_cast<Window&>(*state);
+  if (c < w.begin || c >= w.begin + w.count) {
+    if (!fetch_window(chain, c, &w)) return LoadResult::kMiss;
+  }
+  const Slot& slot = w.slots[c - w.begin];
+  if (!slot.present) {
+    TierCounters::add(counters_.misses);
+    if (filter_active()) TierCounters::add(remote_.filter_false_positives);
+    return LoadResult::kMiss;
+  }
+  if (slot.no_room) return LoadResult::kNoRoom;
+  if (slot.result != LoadResult::kHit) return slot.result;
+  *meta = slot.meta;
+  meta->redis_epoch = w.epoch;
+  return LoadResult::kHit;
 }
 
 int64_t RedisTier::clear() {

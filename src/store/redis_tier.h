@@ -42,14 +42,51 @@ using RedisValueConsumer =
 LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntry& want,
                       char* payload, LoadedMeta* meta, TierCounters* counters, bool* drop);
 
-class RedisTier {
+class RedisTier final : public LowerTier {
  public:
   /// Throws InvalidArgument for a malformed URL. Never connects in the constructor's thread for
   /// longer than redis_connect_timeout_ms; an unreachable server leaves the tier marked down.
-  RedisTier(const StoreOptions& options, TierCounters* counters, RemoteCounters* remote);
-  ~RedisTier();
+  explicit RedisTier(const StoreOptions& options);
+  ~RedisTier() override;
   RedisTier(const RedisTier&) = delete;
   RedisTier& operator=(const RedisTier&) = delete;
+
+  // --- LowerTier ------------------------------------------------------------------------------
+
+  const char* name() const override { return "redis"; }
+  StoreTier mask_bit() const override { return kRedisTier; }
+  TierCounters& counters() override { return counters_; }
+  /// The redis and remote sections of the stats.
+  void fill(StoreStats* s) const override;
+  /// False: telling would take a round trip.
+  bool contains(const Hash128&, const Fingerprint&) override { return false; }
+  /// Fetches chunk c together with the following chunks that no tier above holds and the
+  /// filter lets through, up to redis_batch_bytes, in one MGET (the window is the lookup's
+  /// state); each value is verified into chain.payload(k) while hiredis parses it.
+  LoadResult load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>& state,
+                  LoadedMeta* meta) override;
+  /// A put sends every chunk the server is not known to hold: new ones, and ones put or read
+  /// while it was down or before it last failed (pinned->redis_epoch != epoch()), so an
+  /// outage is repaired by the next put.
+  bool wants(const Hash128& key, const Fingerprint& fp, const ChunkEntry* pinned) override;
+  /// redis_batch_bytes: a put's writes go in pipelines of about that many bytes.
+  size_t batch_bytes() const override;
+  /// write_values() of the batch; a success records epoch() (read before) in each entry.
+  void store(std::string_view ns, const Fingerprint& fp, const std::vector<ChunkWrite>& batch,
+             std::vector<char>* stored) override;
+  /// UNLINKs the keys' values (one round trip); returns 0 (the server's count is not asked for).
+  int64_t erase(std::string_view ns, const Fingerprint& fp,
+                const std::vector<Hash128>& keys) override;
+  /// Deletes every key of the fingerprint under the prefix (SCAN + UNLINK) into r->redis and
+  /// r->redis_complete.
+  void invalidate(const Fingerprint& fp, InvalidateResult* r) override;
+  /// The same for the keys whose value's provenance names `adapter`.
+  void invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter,
+                          InvalidateResult* r) override;
+  /// Deletes every key under the prefix (entries of every tenant and model, and the filter).
+  int64_t clear() override;
+
+  // --- The Redis tier's own -------------------------------------------------------------------
 
   std::string key_for(std::string_view ns, const Fingerprint& fp, const Hash128& key) const;
 
@@ -70,18 +107,12 @@ class RedisTier {
     size_t payload_bytes;
     Hash128 checksum;
   };
-  /// SETs every value (with PX ttl_ms when > 0) and their filter bits in one pipeline. Returns
-  /// false (counted) when any command failed.
-  bool store(const std::vector<Write>& writes, int64_t ttl_ms);
+  /// SETs every value (with PX of the store's TTL when it has one) and their filter bits in one
+  /// pipeline. Returns false (counted) when any command failed.
+  bool write_values(const std::vector<Write>& writes);
 
   /// DELs keys (one round trip); false when it failed.
   bool remove(const std::vector<std::string>& keys);
-  /// Deletes every key under the prefix (entries of every tenant and model, and the filter).
-  int64_t clear();
-  /// Deletes every key of the fingerprint under the prefix (SCAN + UNLINK); returns how many.
-  int64_t invalidate(const Fingerprint& fp, bool* complete);
-  /// Deletes every key of the fingerprint whose value's provenance names `adapter`.
-  int64_t invalidate_adapter(const Fingerprint& fp, const Fingerprint& adapter, bool* complete);
 
   /// Counts the times the tier was marked down. A value written while epoch() was e is known to
   /// be on the server only while epoch() is still e: a failure may mean a restarted, emptied
@@ -95,6 +126,12 @@ class RedisTier {
 
  private:
   struct Impl;
+  struct Slot;
+  struct Window;
+  bool fetch_window(ChainLookup& chain, size_t c, Window* w);
+
+  TierCounters counters_;
+  RemoteCounters remote_;
   std::unique_ptr<Impl> impl_;
 };
 

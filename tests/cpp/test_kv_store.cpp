@@ -99,7 +99,7 @@ TEST(KVStore, PartialChunkIsNeverStored) {
   const auto tokens = testing::random_tokens(kChunk - 1, 4);
   DenseKV kv(spec, kChunk - 1, 2);
   EXPECT_EQ(store.put(spec, tokens, kv.view), 0);
-  EXPECT_EQ(store.stats().entries, 0);
+  EXPECT_EQ(store.stats().memory.entries, 0);
   EXPECT_EQ(store.match(spec, tokens).tokens(), 0);
 }
 
@@ -178,7 +178,7 @@ TEST(KVStore, ErasedWhilePinnedStaysAccountedUntilReleased) {
   EXPECT_EQ(store.stats().bytes_used, 0);
   store.put(spec, a, kv.view);
   store.clear();
-  EXPECT_EQ(store.stats().entries, 0);
+  EXPECT_EQ(store.stats().memory.entries, 0);
   EXPECT_EQ(store.stats().bytes_used, 0);
 }
 
@@ -284,6 +284,47 @@ TEST(KVStore, RecyclesLargePayloadsWithinTheBudget) {
     ASSERT_LE(store.stats().bytes_used, o.capacity_bytes);
   }
   EXPECT_LE(store.stats().peak_bytes, o.capacity_bytes);
+}
+
+TEST(KVStore, InvalidateAdapterCountsTheMemoryEntriesItErases) {
+  const ModelSpec spec = testing::small_spec(DType::kBFloat16, 2, 3, 10);
+  KVStore store(options(1 << 24));
+  const std::string source(32, 'a'), adapter_x = std::string(31, 'b') + "1",
+                    adapter_y = std::string(31, 'b') + "2";
+  struct Prompt {
+    std::vector<int64_t> tokens;
+    Provenance origin;
+  };
+  const std::vector<Prompt> prompts = {
+      {testing::random_tokens(2 * kChunk + 5, 31), {source, adapter_x}},
+      {testing::random_tokens(1 * kChunk, 32), {source, adapter_y}},
+      {testing::random_tokens(3 * kChunk + 1, 33), {}},
+      {testing::random_tokens(1 * kChunk + 9, 34), {source, adapter_x}},
+  };
+  int64_t chunks = 0;
+  for (const Prompt& p : prompts) {
+    DenseKV kv(spec, static_cast<int64_t>(p.tokens.size()), 35 + p.tokens.size());
+    chunks += store.put(spec, p.tokens, kv.view, "default", p.origin) / kChunk;
+  }
+  ASSERT_EQ(chunks, 7);
+  ASSERT_EQ(store.stats().erased, 0);
+
+  const InvalidateResult r = store.invalidate_adapter(spec, adapter_x);
+  EXPECT_EQ(r.memory, 3);  // the two prompts converted by adapter x
+  EXPECT_EQ(store.stats().erased, 3);
+  EXPECT_EQ(store.stats().memory.entries, 4);
+  EXPECT_EQ(store.match(spec, prompts[0].tokens).tokens(), 0);
+  EXPECT_EQ(store.match(spec, prompts[3].tokens).tokens(), 0);
+  EXPECT_EQ(store.match(spec, prompts[1].tokens).tokens(), kChunk);
+  EXPECT_EQ(store.match(spec, prompts[2].tokens).tokens(), 3 * kChunk);
+
+  // Another adapter's entries, then the model's: each removal is counted once.
+  EXPECT_EQ(store.invalidate_adapter(spec, adapter_x).memory, 0);
+  EXPECT_EQ(store.invalidate_adapter(spec, adapter_y).memory, 1);
+  EXPECT_EQ(store.stats().erased, 4);
+  EXPECT_EQ(store.invalidate(spec).memory, 3);
+  EXPECT_EQ(store.stats().erased, 7);
+  EXPECT_EQ(store.stats().memory.entries, 0);
 }
 
 }  // namespace
