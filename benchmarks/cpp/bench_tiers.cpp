@@ -4,7 +4,9 @@
 //    holds (the memory copy is erased with the timer paused), so each iteration opens the
 //    file, reads and checksums it into a memory entry and indexes it. The peer reads a file of
 //    the same size with open + read() into a preallocated, already-touched buffer + close.
-//    Both files were just written, so both reads come from the page cache.
+//    Both files were just written, so both reads come from the page cache. A second peer adds
+//    the verification's floor to the plain read: the same bytes read in the tier's blocks, each
+//    hashed with XXH3-128 (the entry checksum) right after it arrives, and nothing else.
 // 4. Redis tier: KVStore::match of one entry only Redis holds (memory erased, timer paused):
 //    one MGET, verify, copy into a memory entry; and KVStore::put of one entry (memory erased
 //    first, timer paused): copy into memory, checksum, MULTI / SET / filter EVAL / EXEC. The
@@ -23,6 +25,7 @@
 #include <hiredis/hiredis.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -32,6 +35,7 @@
 #include <vector>
 
 #include "kvbridge/kvbridge.h"
+#include "src/core/xxh3.h"
 
 namespace {
 
@@ -82,7 +86,7 @@ struct Entry {
         view(KVView::contiguous(kv.data(), spec.dtype, Device{}, spec.num_layers, chunk,
                                 spec.num_kv_heads, spec.head_dim)) {}
   // Bytes of the packed entry (file or Redis value): header, token ids, payload, trailer.
-  size_t packed_bytes() const { return 160 + 4 * static_cast<size_t>(chunk) + kv.size() + 16; }
+  size_t packed_bytes() const { return 224 + 4 * static_cast<size_t>(chunk) + kv.size() + 16; }
   StoreOptions options() const {
     StoreOptions o;
     o.chunk_tokens = chunk;
@@ -153,7 +157,8 @@ void BM_DiskTierRead(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * bytes);
 }
 
-void BM_PlainFileRead(benchmark::State& state) {
+// arg 1: 0 plain read() of the whole file; 1 read in the disk tier's blocks, each hashed.
+void PlainFileRead(benchmark::State& state, bool checksummed) {
   const int64_t bytes = state.range(0) * kMiB;
   Entry e(bytes);
   const std::string dir = bench_dir("plain");
@@ -168,15 +173,20 @@ void BM_PlainFileRead(benchmark::State& state) {
     ::close(fd);
   }
   std::vector<unsigned char> buf(e.packed_bytes(), 0x5a);  // preallocated, touched
+  const size_t block = checksummed ? size_t{256} << 10 : buf.size();
+  kvbridge::detail::Xxh3Stream hash;
   for (auto _ : state) {
     const int fd = ::open(path.c_str(), O_RDONLY);
     size_t done = 0;
+    hash.reset();
     while (done < buf.size()) {
-      const ssize_t r = ::read(fd, buf.data() + done, buf.size() - done);
+      const ssize_t r = ::read(fd, buf.data() + done, std::min(block, buf.size() - done));
       if (r <= 0) break;
+      if (checksummed) hash.update(buf.data() + done, static_cast<size_t>(r));
       done += static_cast<size_t>(r);
     }
     ::close(fd);
+    if (checksummed) benchmark::DoNotOptimize(hash.digest());
     if (done != buf.size()) {
       state.SkipWithError("short read");
       break;
@@ -187,6 +197,9 @@ void BM_PlainFileRead(benchmark::State& state) {
   std::filesystem::remove_all(dir);
   state.SetBytesProcessed(state.iterations() * bytes);
 }
+
+void BM_PlainFileRead(benchmark::State& state) { PlainFileRead(state, false); }
+void BM_PlainFileReadChecksummed(benchmark::State& state) { PlainFileRead(state, true); }
 
 // ---------------------------------------------------------------------------------------------
 // 4. Redis tier vs raw hiredis
@@ -367,6 +380,7 @@ void SizeArgs(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_DiskTierRead)->Apply(SizeArgs);
 BENCHMARK(BM_PlainFileRead)->Apply(SizeArgs);
+BENCHMARK(BM_PlainFileReadChecksummed)->Apply(SizeArgs);
 BENCHMARK(BM_RedisTierGet)->Apply(SizeArgs);
 BENCHMARK(BM_RawHiredisGet)->Apply(SizeArgs);
 BENCHMARK(BM_RedisTierPut)->Apply(SizeArgs);

@@ -34,7 +34,6 @@ namespace {
 constexpr char kRootName[] = "kvbridge-v1";
 constexpr char kSuffix[] = ".kvb";
 constexpr int64_t kBlock = 4096;
-constexpr size_t kReadBlock = size_t{256} << 10;  // hashed while still in cache
 constexpr int kMaxQuarantined = 64;
 constexpr int64_t kRescanMinMs = 100;
 constexpr int64_t kOpenLockWaitMs = 60000;
@@ -799,15 +798,35 @@ LoadResult DiskTier::read_entry(const ExpectedEntry& want, char* payload, Loaded
   if (times.expires_ms > 0 && want.now_ms >= times.expires_ms)
     return miss(&c.expired, Impl::Drop::kDelete);
   const size_t total = static_cast<size_t>(st.st_size);
-  // Few system calls: header and token ids in one read, then the payload in blocks (each
-  // hashed while it is still in cache), the last one together with the trailer.
+  // Few system calls: the payload is read in verify_entry's blocks (each hashed while it is
+  // still in cache), the last one together with the trailer. A file of the expected size (the
+  // usual case) has its header, token ids and first block (with the trailer, when that block is
+  // the last) read in one call; the header is checked after it.
   const size_t prefix_bytes = entry_prefix_bytes(want.chunk);
   std::vector<unsigned char> prefix(prefix_bytes);
-  if (total < prefix_bytes || !read_full(fd, prefix.data(), prefix_bytes))
-    return total < prefix_bytes || !errno ? miss(&c.corrupt, Impl::Drop::kQuarantine)
-                                          : miss(&c.errors, Impl::Drop::kDelete);
-  // The payload in blocks, the last one together with the trailer.
-  auto read_block = [fd](char* dst, size_t, size_t len, unsigned char* trailer) {
+  if (total < prefix_bytes) return miss(&c.corrupt, Impl::Drop::kQuarantine);
+  const size_t payload_bytes = static_cast<size_t>(want.payload_bytes);
+  const size_t first = std::min(kEntryVerifyBlock, payload_bytes);
+  const bool expected_size = total == entry_encoded_bytes(want.chunk, want.payload_bytes);
+  unsigned char first_trailer[kEntryTrailerBytes];
+  errno = 0;
+  bool read_ok;
+  if (expected_size) {
+    iovec iov[3] = {{prefix.data(), prefix_bytes},
+                    {payload, first},
+                    {first_trailer, kEntryTrailerBytes}};
+    read_ok = readv_full(fd, iov, first == payload_bytes ? 3 : 2);
+  } else {
+    read_ok = read_full(fd, prefix.data(), prefix_bytes);
+  }
+  if (!read_ok)
+    return !errno ? miss(&c.corrupt, Impl::Drop::kQuarantine)
+                  : miss(&c.errors, Impl::Drop::kDelete);
+  auto read_block = [&](char* dst, size_t offset, size_t len, unsigned char* trailer) {
+    if (expected_size && offset == 0 && len == first) {  // read with the prefix
+      if (trailer) std::memcpy(trailer, first_trailer, kEntryTrailerBytes);
+      return true;
+    }
     if (!trailer) return read_full(fd, dst, len);
     iovec iov[2] = {{dst, len}, {trailer, kEntryTrailerBytes}};
     return readv_full(fd, iov, 2);

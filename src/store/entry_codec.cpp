@@ -171,8 +171,6 @@ bool same_chunk(const EntryHeader& h, const unsigned char* tokens, const Expecte
   return true;
 }
 
-constexpr size_t kVerifyBlock = size_t{256} << 10;  // hashed while still in cache
-
 }  // namespace
 
 EntryCheck verify_entry(const unsigned char* prefix, size_t total_bytes, const ExpectedEntry& want,
@@ -189,8 +187,8 @@ EntryCheck verify_entry(const unsigned char* prefix, size_t total_bytes, const E
   hash.update(prefix, prefix_bytes);
   unsigned char trailer[kEntryTrailerBytes];
   const size_t n = static_cast<size_t>(h.payload_bytes);
-  for (size_t off = 0; off < n; off += kVerifyBlock) {
-    const size_t len = std::min(kVerifyBlock, n - off);
+  for (size_t off = 0; off < n; off += kEntryVerifyBlock) {
+    const size_t len = std::min(kEntryVerifyBlock, n - off);
     if (!read(payload + off, off, len, off + len < n ? nullptr : trailer))
       return EntryCheck::kUnreadable;
     hash.update(payload + off, len);

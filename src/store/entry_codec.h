@@ -117,6 +117,10 @@ enum class EntryCheck {
   kOtherChunk,  // a valid entry of this key, but of other tokens / parent / salt: a collision
 };
 
+/// verify_entry reads and hashes the payload in blocks of this many bytes (the last one may be
+/// shorter): small enough to be hashed while still in cache.
+constexpr size_t kEntryVerifyBlock = size_t{256} << 10;
+
 /// Copies payload bytes [offset, offset + len) into `dst` and, with the last block, the 16
 /// trailer bytes into `trailer` (null for every other block). False: the bytes cannot be read.
 using EntryPayloadReader =
@@ -125,8 +129,8 @@ using EntryPayloadReader =
 /// The one verification of a packed entry, shared by every tier (docs/storage.md, "The packed
 /// entry"): the header's structure and that it describes exactly `total_bytes`, key,
 /// fingerprint, storage and geometry against `want`; then the payload is read through `read` in
-/// 256 KiB blocks into `payload` (want.payload_bytes bytes, caller-owned), each hashed right
-/// after it arrives, and the checksum compared; then the TTL; then tokens, parent and salt.
+/// kEntryVerifyBlock blocks into `payload` (want.payload_bytes bytes, caller-owned), each hashed
+/// right after it arrives, and the checksum compared; then the TTL; then tokens, parent and salt.
 /// `prefix` holds the entry's first entry_prefix_bytes(want.chunk) bytes (header and token
 /// ids; total_bytes must be at least that). *header is set once the header decoded (from
 /// kExpired on, it is the verified header). Never throws.
