@@ -35,6 +35,7 @@ class ChunkTokens {
 
   /// Whether these are exactly ids[0, size()).
   bool equals(const uint32_t* ids) const noexcept {
+    if (size_ == kInline) return std::memcmp(inline_, ids, 4 * kInline) == 0;  // inlined compare
     return std::memcmp(data(), ids, 4 * size_) == 0;
   }
   bool operator==(const ChunkTokens& o) const noexcept {

@@ -127,15 +127,29 @@ MemoryTier::PrefixRun MemoryTier::pin_prefix(
       locks.held[locks.n++] = &s;
     }
   }
-  // Under the locks the tables are stable: start every slot's load before the first compare.
+  // Under the locks the tables are stable. The run's memory is loaded in two waves before the
+  // first compare: every home slot, then the entries and eviction-order nodes the slots point
+  // to (a run's entries are scattered over the heap; one cold miss after another was most of
+  // a long match's time).
   for (size_t i = 0; i < count; ++i) shards_[shard_of[i]]->map.prefetch(keys[i]);
+  Slot* slots[kMaxPrefixRun];
+  size_t found = 0;
+  for (; found < count; ++found) {
+    Slot* slot = shards_[shard_of[found]]->map.find(keys[found]);
+    if (!slot) break;
+    slots[found] = slot;
+    const char* entry = reinterpret_cast<const char*>(slot->entry.get());
+    __builtin_prefetch(entry);
+    __builtin_prefetch(entry + 64);  // the token ids (salt, parent and ids span two lines)
+    shards_[shard_of[found]]->order.prefetch(slot->order);
+  }
   for (size_t i = 0; i < count; ++i, ++run.hits) {
     Shard& s = *shards_[shard_of[i]];
-    Slot* slot = s.map.find(keys[i]);
-    if (!slot) {
+    if (i == found) {
       run.stop = Probe::kAbsent;
       return run;
     }
+    Slot* slot = slots[i];
     if (expired(*slot->entry, now)) {
       gone = unlink_locked(s, keys[i]);
       TierCounters::add(counters_.expired);
