@@ -23,9 +23,10 @@ for the numpy, list and tensor inputs.
 A second table gives the per-call cost of put and match (return_kv=False and True) of a
 one-chunk prompt (16 tokens) from a list, the fixed overhead every call pays.
 
-Every variant must match the whole prompt. Times are time.perf_counter, best of --repeats
-repetitions of a calibrated loop, the repetitions of all variants interleaved, with the garbage
-collector off while timing (as timeit does).
+Every variant must match the whole prompt. Times are time.perf_counter (or, with --clock cpu,
+this thread's CPU time, time.thread_time, which a loaded machine disturbs less), best of
+--repeats repetitions of a calibrated loop, the repetitions of all variants interleaved, with the
+garbage collector off while timing (as timeit does).
 Prints a markdown table of ns per 16 tokens.
 
     .venv/bin/python benchmarks/python/bench_prefix_match.py [--require-kvbridge]
@@ -43,6 +44,7 @@ BLOCK = 16
 PROMPTS = [1024, 8192, 32768, 131072]
 SEED_HASH = hashlib.sha256(b"").digest()  # parent of the first block
 SPEEDUP_TARGET = 50.0  # at 32k tokens
+clock = time.perf_counter  # --clock
 
 
 # --- pure-Python peer (vLLM-style) -----------------------------------------------------------
@@ -82,19 +84,21 @@ def calibrate(fn, min_rep_seconds):
     """Calls per repetition so that one repetition of `fn` lasts about min_rep_seconds."""
     number = 1
     while True:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(number):
             fn()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         if dt >= min_rep_seconds / 4 or number >= 1 << 20:
             break
         number *= 2
     return max(1, int(number * min_rep_seconds / max(dt, 1e-9)))
 
 
-def best_seconds_interleaved(fns, repeats, min_rep_seconds):
+def best_seconds_interleaved(fns, repeats, min_rep_seconds, before_rep=None):
     """{name: best per-call seconds}. The repetitions of the functions alternate (a, b, c, a, b,
-    c, ...), so a stretch of load from other processes hits all of them, not one."""
+    c, ...), so a stretch of load from other processes hits all of them, not one.
+    before_rep: {name: callable} run before each of that function's repetitions, untimed."""
+    before_rep = before_rep or {}
     numbers = {name: calibrate(fn, min_rep_seconds) for name, fn in fns.items()}
     best = {name: float("inf") for name in fns}
     gc_was_enabled = gc.isenabled()
@@ -103,10 +107,12 @@ def best_seconds_interleaved(fns, repeats, min_rep_seconds):
         for _ in range(repeats):
             for name, fn in fns.items():
                 number = numbers[name]
-                t0 = time.perf_counter()
+                if name in before_rep:
+                    before_rep[name]()
+                t0 = clock()
                 for _ in range(number):
                     fn()
-                best[name] = min(best[name], (time.perf_counter() - t0) / number)
+                best[name] = min(best[name], (clock() - t0) / number)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -174,13 +180,20 @@ class KVBridgeSide:
             prompt = [next(fresh) % (1 << 32)] + ids[1:]
             return store.put(spec, prompt, kv)
 
+        def reset():  # each repetition of put starts from a store holding only `ids`
+            store.clear()
+            store.put(spec, ids, kv)
+
+        tokens_t = self.torch.tensor(ids, dtype=self.torch.int64)
         fns = {"put": put,
                "match, return_kv=False": lambda: store.match(spec, ids, return_kv=False),
+               "match from a tensor, return_kv=False":
+                   lambda: store.match(spec, tokens_t, return_kv=False),
                "match, return_kv=True": lambda: store.match(spec, ids, return_kv=True)}
         for name, fn in fns.items():
             if name != "put" and fn().tokens != BLOCK:
                 raise RuntimeError(f"kvbridge {name} missed")
-        return best_seconds_interleaved(fns, repeats, min_rep_seconds)
+        return best_seconds_interleaved(fns, repeats, min_rep_seconds, {"put": reset})
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -196,9 +209,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--min-rep-seconds", type=float, default=0.2)
     ap.add_argument("--python-only", action="store_true", help="skip kvbridge")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time.perf_counter (wall) or this thread's CPU time (cpu)")
     ap.add_argument("--require-kvbridge", action="store_true",
                     help="exit with status 2 when kvbridge cannot be imported or fails")
     args = ap.parse_args()
+    global clock
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     kvb, kvb_error = None, None
     if not args.python_only:
@@ -235,8 +252,9 @@ def main():
     if kvb is not None:
         where = (f" kvbridge {getattr(kvb.kvbridge, '__version__', '?')}, numpy "
                  f"{kvb.np.__version__}, torch {kvb.torch.__version__}.")
+    clock_name = "time.thread_time" if args.clock == "cpu" else "time.perf_counter"
     print(f"Python {sys.version.split()[0]}, best of {args.repeats} interleaved repetitions "
-          f"(time.perf_counter, ~{args.min_rep_seconds} s each).{where}")
+          f"({clock_name}, ~{args.min_rep_seconds} s each).{where}")
     print()
     def speedup(r, name):
         v = r.get(name)

@@ -17,16 +17,28 @@ from kvbridge._core import InvalidArgumentError
 KVCache = Tuple[Tuple[torch.Tensor, torch.Tensor], ...]
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Token tensors of these dtypes on the CPU are read in place by the core.
+_NATIVE_TOKEN_DTYPES = (torch.int64, torch.int32)
+
+# The core reads dense CPU tensors itself (KVStore.put_kv, Match.copy_into, token tensors)
+# through their attributes, comparing against these objects.
+_core._register_torch(torch.Tensor, torch.strided,
+                      {**{v: k for k, v in _TORCH_DTYPES.items()},
+                       torch.int64: "int64", torch.int32: "int32"})
 
 
 def as_tokens(tokens: Any) -> Any:
     """The token ids in a form the native core reads: a list or tuple as it is, a numpy array
-    as it is, a torch integer tensor as a numpy view of its CPU memory, anything else through
+    as it is, a 1-D CPU torch int64 / int32 tensor as it is, another torch integer tensor as a
+    numpy view of its CPU memory, anything else through
     np.asarray. The core checks the rest (integer dtype, 1-D, every id in [0, 2^32)) and raises
     TypeError or kvbridge.InvalidArgumentError naming the bad id."""
     if isinstance(tokens, (list, tuple, np.ndarray)):
         return tokens
     if isinstance(tokens, torch.Tensor):
+        if (tokens.dtype in _NATIVE_TOKEN_DTYPES and tokens.is_cpu and tokens.dim() == 1
+                and tokens.layout == torch.strided):
+            return tokens  # read in place by the core
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"tokens: expected an integer tensor, got dtype {tokens.dtype}")
         if tokens.layout != torch.strided or tokens.device.type == "meta":
@@ -109,7 +121,7 @@ def check_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
 def host_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """check_kv, then the pairs on the CPU (the same tensors when already there). The caller
     holds the result while the core reads it: for device tensors these are the only copies."""
-    return [(k.cpu(), v.cpu()) for k, v in check_kv(kv)]
+    return [(k if k.is_cpu else k.cpu(), v if v.is_cpu else v.cpu()) for k, v in check_kv(kv)]
 
 
 def kv_views(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]):

@@ -119,9 +119,14 @@ class KVStore:
             another device are copied to the CPU first.
         """
         ids = as_tokens(tokens)
-        pairs = host_kv(kv)
-        keys, values = kv_views(pairs)
-        return self._store.put(spec, ids, keys, values, _args.text("namespace", namespace))
+        ns = _args.text("namespace", namespace)
+        # A tuple of CPU tensors is read in place by the core; anything else (caches, device
+        # tensors, bad input) takes the general path, which checks it and names what is wrong.
+        stored = self._store.put_kv(spec, ids, kv, ns)
+        if stored is not None:
+            return stored
+        keys, values = kv_views(host_kv(kv))
+        return self._store.put(spec, ids, keys, values, ns)
 
     def match(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default", *,
               return_kv: bool = True,
@@ -137,8 +142,9 @@ class KVStore:
         if found.tokens == 0 or not return_kv:
             return Match(found.tokens, None)
         kv = empty_kv(spec, found.tokens)
-        keys, values = kv_views(kv)
-        found.copy_to(keys, values)
+        if not found.copy_into(kv):  # always taken for empty_kv's CPU tensors
+            keys, values = kv_views(kv)
+            found.copy_to(keys, values)
         if device is not None and torch.device(device).type != "cpu":
             kv = tuple((k.to(device), v.to(device)) for k, v in kv)
         return Match(found.tokens, legacy_to_cache(kv) if as_cache else kv)

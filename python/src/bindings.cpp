@@ -16,6 +16,7 @@
 
 #include "bind_bridge.h"
 #include "field_types.h"
+#include "tensors.h"
 #include "tokens.h"
 #include "kvbridge/kvbridge.h"
 
@@ -385,6 +386,11 @@ PYBIND11_MODULE(_core, m) {
       })
       .def(py::pickle(&spec_state, &spec_from_state));
 
+  m.def("_register_torch", &python::register_torch, py::arg("tensor_type"), py::arg("strided"),
+        py::arg("dtypes"),
+        "Hands the core torch.Tensor, torch.strided and {torch dtype: name} for reading tensors "
+        "in place (called once by kvbridge._tensors).");
+
   py::class_<TensorView>(m, "TensorView")
       .def(py::init(&make_view), py::arg("data"), py::arg("dtype"), py::arg("shape"),
            py::arg("strides"), py::arg("device") = "cpu", py::arg("device_index") = 0);
@@ -399,7 +405,20 @@ PYBIND11_MODULE(_core, m) {
             py::gil_scoped_release release;
             match.copy_to(dst);
           },
-          py::arg("keys"), py::arg("values"));
+          py::arg("keys"), py::arg("values"))
+      .def(
+          "copy_into",
+          [](const Match& match, const py::handle& kv) {
+            std::vector<TensorView> keys, values;
+            if (!python::cpu_pair_views(kv, &keys, &values)) return false;
+            const KVView dst = KVView::from_hf_layers(keys, values);
+            py::gil_scoped_release release;
+            match.copy_to(dst);
+            return true;
+          },
+          py::arg("kv"),
+          "copy_to() into a legacy tuple of dense CPU tensors read in place; False (nothing "
+          "done) for any other kv.");
 
   py::class_<StoreOptions>(m, "StoreOptions")
       .def(py::init<>())
@@ -470,6 +489,22 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("spec"), py::arg("tokens"), py::arg("keys"), py::arg("values"),
           py::arg("namespace"))
+      .def(
+          "put_kv",
+          [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,
+             const py::handle& kv, const std::string& ns) -> std::optional<int64_t> {
+            // kv is read first, as the general path checks it before the tokens.
+            std::vector<TensorView> keys, values;
+            if (!python::cpu_pair_views(kv, &keys, &values)) return std::nullopt;
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
+            const KVView view = KVView::from_hf_layers(keys, values);
+            py::gil_scoped_release release;
+            return store.put(spec, span, view, ns);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("kv"), py::arg("namespace"),
+          "put() of a legacy tuple of dense CPU tensors read in place; None (nothing done) for "
+          "any other kv, which takes put(spec, tokens, keys, values, namespace) instead.")
       .def(
           "match",
           [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "kvbridge/error.h"
+#include "tensors.h"
 
 namespace py = pybind11;
 
@@ -81,6 +82,30 @@ PyTokens::PyTokens(const py::handle& tokens) {
     ids_.resize(n);
     for (size_t i = 0; i < n; ++i) ids_[i] = item_id(items[i], i);
     span_ = TokenSpan(ids_.data(), n);
+    return;
+  }
+  const void* tensor_data = nullptr;
+  size_t tensor_size = 0;
+  int64_t tensor_stride = 0;
+  int element_size = 0;
+  if (cpu_int_vector(tokens, &tensor_data, &tensor_size, &tensor_stride, &element_size)) {
+    // A torch int64 / int32 CPU tensor, read in place (kvbridge._tensors.as_tokens passes
+    // these through; other tensors arrive as numpy arrays).
+    const auto* base = static_cast<const char*>(tensor_data);
+    if (tensor_size == 0) {
+      span_ = TokenSpan(ids_.data(), 0);
+    } else if (element_size == 8 && tensor_stride == 1) {
+      span_ = TokenSpan(static_cast<const int64_t*>(tensor_data), tensor_size);
+    } else {
+      ids_.resize(tensor_size);
+      const py::ssize_t byte_stride = static_cast<py::ssize_t>(tensor_stride) * element_size;
+      if (element_size == 8) {
+        narrow<int64_t>(base, byte_stride, tensor_size, ids_.data());
+      } else {
+        narrow<int32_t>(base, byte_stride, tensor_size, ids_.data());
+      }
+      span_ = TokenSpan(ids_.data(), tensor_size);
+    }
     return;
   }
   if (!py::isinstance<py::array>(tokens))

@@ -15,7 +15,9 @@ namespace kvbridge::python {
 ///     scalars; bools and floats are refused): converted here to u32, each id range-checked;
 ///   - a 1-D numpy array of an integer dtype: int64 and uint32 arrays that are C-contiguous are
 ///     read in place (the library checks int64 ids), any other integer dtype or stride is
-///     converted here, each id range-checked.
+///     converted here, each id range-checked;
+///   - a 1-D dense CPU torch tensor of torch.int64 (read in place when contiguous) or
+///     torch.int32 (converted here), once kvbridge._tensors has registered torch (tensors.h).
 /// Anything else, or an array of another dtype, is a TypeError naming `tokens`; an array that is
 /// not 1-D, or an id outside [0, 2^32), is an InvalidArgument naming it. The object must stay
 /// alive while the span is used (the caller holds it for the call). Needs the GIL.

@@ -34,6 +34,15 @@ class ChunkTable {
   }
   bool contains(const Hash128& key) noexcept { return find(key) != nullptr; }
 
+  /// Starts loading key's home slot into the cache (a hint; the table is not read).
+  void prefetch(const Hash128& key) const noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(&slots_[home(key)]);
+#else
+    (void)key;
+#endif
+  }
+
   /// The value under `key`, which must be absent, default-constructed for the caller to fill.
   Value& insert(const Hash128& key) {
     if (2 * (size_ + 1) > slots_.size()) grow();

@@ -1,6 +1,7 @@
 #include "kvbridge/prefix_hash.h"
 
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <string>
 
@@ -67,8 +68,8 @@ TokenIds::TokenIds(TokenSpan tokens) : size_(tokens.size) {
     data_ = tokens.data32;
     return;
   }
-  narrowed_.resize(tokens.size);
-  uint32_t* out = narrowed_.data();
+  narrowed_.reset(new uint32_t[tokens.size]);
+  uint32_t* out = narrowed_.get();
   const int64_t* in = tokens.data;
   uint64_t high_bits = 0;  // checked and narrowed in the same pass
   for (size_t i = 0; i < tokens.size; ++i) {
@@ -109,9 +110,17 @@ Hash128 chain_hash(const Hash128& previous, const uint32_t* chunk, int64_t count
 }
 
 Hash128 chain_hash(const Hash128& previous, const int64_t* chunk, int64_t count) {
-  std::vector<uint32_t> ids(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; ++i) ids[static_cast<size_t>(i)] = static_cast<uint32_t>(chunk[i]);
-  return chain_hash(previous, ids.data(), count);
+  // Narrowed on the stack for the common chunk sizes (no allocation per chunk).
+  constexpr int64_t kStackTokens = 256;
+  uint32_t stack_ids[kStackTokens];
+  std::unique_ptr<uint32_t[]> heap_ids;
+  uint32_t* ids = stack_ids;
+  if (count > kStackTokens) {
+    heap_ids.reset(new uint32_t[static_cast<size_t>(count)]);
+    ids = heap_ids.get();
+  }
+  for (int64_t i = 0; i < count; ++i) ids[i] = static_cast<uint32_t>(chunk[i]);
+  return chain_hash(previous, ids, count);
 }
 
 std::vector<Hash128> prefix_hashes(const Hash128& salt, TokenSpan tokens, int64_t chunk_tokens) {

@@ -3,7 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "kvbridge/prefix_hash.h"
 
@@ -24,7 +24,7 @@ class TokenIds {
  private:
   const uint32_t* data_ = nullptr;
   size_t size_ = 0;
-  std::vector<uint32_t> narrowed_;
+  std::unique_ptr<uint32_t[]> narrowed_;  // new[] without value-init: written once, not zeroed first
 };
 
 }  // namespace kvbridge::detail

@@ -53,6 +53,15 @@ class EvictionOrder {
     }  // TTL: a use does not move an entry's expiry
   }
 
+  /// Starts loading what touch(h) reads and writes first (a hint).
+  void prefetch(const Handle& h) const noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    if (policy_ == EvictionPolicy::kLRU) __builtin_prefetch(&*h.pos);  // LFU / TTL: a set node
+#else
+    (void)h;
+#endif
+  }
+
   void erase(const Handle& h) {
     if (policy_ == EvictionPolicy::kLRU) {
       lru_.erase(h.pos);

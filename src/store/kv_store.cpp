@@ -469,27 +469,35 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
   result.entries_.reserve(chunks);
   std::unique_ptr<Impl::Lookup> lookup;  // made at the first memory miss
   int64_t memory_hits = 0;  // counted once per call, not per chunk
-  for (size_t c = 0; c < chunks; ++c) {
-    const Hash128 key = keys.at(c);
-    const uint32_t* ids = ids_all.data() + static_cast<int64_t>(c) * chunk;
-    std::shared_ptr<const ChunkEntry> pinned;
-    const MemoryTier::Probe found = m.memory.probe(key, call.shape.salt, keys.parent(c), ids, call.now_ms, &pinned);
-    if (found == MemoryTier::Probe::kCollision) {
+  // Memory hits are pinned a run at a time (16 chunks, doubling while they hit): one lock per
+  // shard per run instead of one per chunk; the run's keys are hashed just before.
+  size_t run = 16;
+  for (size_t c = 0; c < chunks;) {
+    const size_t n = std::min({run, chunks - c, MemoryTier::kMaxPrefixRun});
+    keys.at(c + n - 1);
+    const MemoryTier::PrefixRun hit = m.memory.pin_prefix(
+        keys.h.data() + c, n, call.shape.salt, keys.parent(c),
+        ids_all.data() + static_cast<int64_t>(c) * chunk, chunk, call.now_ms, &result.entries_);
+    memory_hits += static_cast<int64_t>(hit.hits);
+    c += hit.hits;
+    if (hit.hits == n) {
+      run = std::min(2 * run, MemoryTier::kMaxPrefixRun);
+      continue;
+    }
+    run = 16;
+    if (hit.stop == MemoryTier::Probe::kCollision) {
       m.collisions.fetch_add(1, std::memory_order_relaxed);
       break;
     }
-    if (found == MemoryTier::Probe::kSame) {
-      ++memory_hits;
-    } else {
-      TierCounters::add(m.memory.counters().misses);
-      if (!m.lower_tiers()) break;
-      bool collision = false;
-      if (!lookup) lookup = std::make_unique<Impl::Lookup>(m, call, keys, chunks);
-      pinned = m.load_lower(*lookup, c, &collision);
-      if (collision) m.collisions.fetch_add(1, std::memory_order_relaxed);
-      if (!pinned) break;
-    }
+    TierCounters::add(m.memory.counters().misses);
+    if (!m.lower_tiers()) break;
+    bool collision = false;
+    if (!lookup) lookup = std::make_unique<Impl::Lookup>(m, call, keys, chunks);
+    std::shared_ptr<const ChunkEntry> pinned = m.load_lower(*lookup, c, &collision);
+    if (collision) m.collisions.fetch_add(1, std::memory_order_relaxed);
+    if (!pinned) break;
     result.entries_.push_back(std::move(pinned));
+    ++c;
   }
   TierCounters::add(m.memory.counters().hit_chunks, memory_hits);
   result.tokens_ = result.chunks() * chunk;

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <new>
 
+#include "kvbridge/error.h"
+
 namespace kvbridge::detail {
 namespace {
 
@@ -91,6 +93,78 @@ MemoryTier::Probe MemoryTier::probe(const Hash128& key, const Hash128& salt,
   s.order.touch(slot->order, key);
   if (pin) *pin = slot->entry;
   return Probe::kSame;
+}
+
+MemoryTier::PrefixRun MemoryTier::pin_prefix(
+    const Hash128* keys, size_t count, const Hash128& salt, const Hash128& first_parent,
+    const uint32_t* ids, int64_t chunk, int64_t now,
+    std::vector<std::shared_ptr<const ChunkEntry>>* pins) {
+  PrefixRun run;
+  if (count == 0) return run;
+  KVB_CHECK(count <= kMaxPrefixRun, "pin_prefix: a run of " << count << " chunks is longer than "
+                                                              << kMaxPrefixRun);
+  // The shards of the run, as a bit set (num_shards <= 1024), then locked in ascending order.
+  constexpr size_t kWords = 1024 / 64;
+  uint64_t needed[kWords] = {};
+  uint16_t shard_of[kMaxPrefixRun];
+  for (size_t i = 0; i < count; ++i) {
+    const size_t s = shard_index(keys[i]);
+    shard_of[i] = static_cast<uint16_t>(s);
+    needed[s >> 6] |= uint64_t{1} << (s & 63);
+  }
+  std::shared_ptr<ChunkEntry> gone;  // an expired entry, freed after the locks are dropped
+  struct Locks {
+    Shard* held[kMaxPrefixRun];
+    size_t n = 0;
+    ~Locks() {
+      while (n) held[--n]->mu.unlock();
+    }
+  } locks;
+  for (size_t w = 0; w < kWords; ++w) {
+    for (uint64_t bits = needed[w]; bits; bits &= bits - 1) {
+      Shard& s = *shards_[w * 64 + static_cast<size_t>(__builtin_ctzll(bits))];
+      s.mu.lock();
+      locks.held[locks.n++] = &s;
+    }
+  }
+  // Under the locks the tables are stable. The run's memory is loaded in two waves before the
+  // first compare: every home slot, then the entries and eviction-order nodes the slots point
+  // to (a run's entries are scattered over the heap; one cold miss after another was most of
+  // a long match's time).
+  for (size_t i = 0; i < count; ++i) shards_[shard_of[i]]->map.prefetch(keys[i]);
+  Slot* slots[kMaxPrefixRun];
+  size_t found = 0;
+  for (; found < count; ++found) {
+    Slot* slot = shards_[shard_of[found]]->map.find(keys[found]);
+    if (!slot) break;
+    slots[found] = slot;
+    const char* entry = reinterpret_cast<const char*>(slot->entry.get());
+    __builtin_prefetch(entry);
+    __builtin_prefetch(entry + 64);  // the token ids (salt, parent and ids span two lines)
+    shards_[shard_of[found]]->order.prefetch(slot->order);
+  }
+  for (size_t i = 0; i < count; ++i, ++run.hits) {
+    Shard& s = *shards_[shard_of[i]];
+    if (i == found) {
+      run.stop = Probe::kAbsent;
+      return run;
+    }
+    Slot* slot = slots[i];
+    if (expired(*slot->entry, now)) {
+      gone = unlink_locked(s, keys[i]);
+      TierCounters::add(counters_.expired);
+      run.stop = Probe::kAbsent;
+      return run;
+    }
+    const Hash128& parent = i == 0 ? first_parent : keys[i - 1];
+    if (!slot->entry->same_chunk(salt, parent, ids + static_cast<int64_t>(i) * chunk)) {
+      run.stop = Probe::kCollision;
+      return run;
+    }
+    s.order.touch(slot->order, keys[i]);
+    pins->push_back(slot->entry);
+  }
+  return run;
 }
 
 bool MemoryTier::contains(const Hash128& key) {

@@ -13,6 +13,7 @@
 
 #include "kvbridge/kv_store.h"
 #include "src/index/chunk_table.h"
+#include "src/index/chunk_tokens.h"
 #include "src/store/entry_codec.h"
 #include "src/store/eviction_order.h"
 #include "src/store/int8_codec.h"
@@ -117,7 +118,7 @@ struct ChunkShape {
 struct ChunkEntry {
   Hash128 salt;
   Hash128 parent;
-  std::vector<uint32_t> tokens;
+  ChunkTokens tokens;  // chunk ids
   // Native: [layers, 2, chunk, kv_heads, head_dim], dense; int8: int8_codec.h's layout.
   // kv_size bytes allocated.
   char* kv = nullptr;
@@ -141,7 +142,7 @@ struct ChunkEntry {
             int64_t created) {
     salt = shape.salt;
     parent = parent_key;
-    tokens.assign(ids, ids + shape.chunk);
+    tokens.assign(ids, static_cast<size_t>(shape.chunk));
     layers = shape.layers;
     chunk = shape.chunk;
     kv_heads = shape.kv_heads;
@@ -183,8 +184,7 @@ struct ChunkEntry {
             dst);
   }
   bool same_chunk(const Hash128& s, const Hash128& p, const uint32_t* ids) const {
-    return salt == s && parent == p &&
-           std::memcmp(tokens.data(), ids, 4 * tokens.size()) == 0;
+    return salt == s && parent == p && tokens.equals(ids);
   }
 };
 
@@ -203,6 +203,23 @@ class MemoryTier {
   /// (an expired entry is removed and counted).
   Probe probe(const Hash128& key, const Hash128& salt, const Hash128& parent, const uint32_t* ids,
               int64_t now, std::shared_ptr<const ChunkEntry>* pin);
+  /// What pin_prefix found: chunks [0, hits) of the run are pinned; when hits < count, `stop`
+  /// is what probe() would have returned for chunk `hits` (kAbsent or kCollision).
+  struct PrefixRun {
+    size_t hits = 0;
+    Probe stop = Probe::kSame;
+  };
+  static constexpr size_t kMaxPrefixRun = 256;
+  /// probe() of chunks 0, 1, ... of a chained run until the first that is not kSame, with
+  /// the same effects (uses recorded, an expired entry removed and counted), appending each
+  /// pinned entry to *pins. Chunk i has key keys[i], parent keys[i - 1] (first_parent for
+  /// i = 0) and ids [i * chunk, (i + 1) * chunk) of `ids`. count <= kMaxPrefixRun. Each shard
+  /// the run touches is locked once (all of them together, in ascending order, so two runs
+  /// never deadlock) instead of once per chunk, and the run's table slots are prefetched.
+  PrefixRun pin_prefix(const Hash128* keys, size_t count, const Hash128& salt,
+                       const Hash128& first_parent, const uint32_t* ids, int64_t chunk,
+                       int64_t now, std::vector<std::shared_ptr<const ChunkEntry>>* pins);
+
   /// Whether the index holds key (whatever its chunk).
   bool contains(const Hash128& key);
 
@@ -250,7 +267,8 @@ class MemoryTier {
   };
 
 
-  Shard& shard_for(const Hash128& h) { return *shards_[(h.high >> 7) % shards_.size()]; }
+  size_t shard_index(const Hash128& h) const { return (h.high >> 7) % shards_.size(); }
+  Shard& shard_for(const Hash128& h) { return *shards_[shard_index(h)]; }
   bool expired(const ChunkEntry& e, int64_t now) const {
     return ttl_ms_ > 0 && now - e.created_ms >= ttl_ms_;
   }
