@@ -11,7 +11,7 @@
 
 #include <algorithm>
 #include <climits>
-#include <map>
+#include <functional>
 
 #include "kernels/cuda_check.cuh"
 #include "kvbridge/dtype.h"
@@ -64,6 +64,34 @@ void check_int(int64_t v, const char* what) {
   KVB_CHECK(v <= INT_MAX, "AdapterFitter (CUDA): " << what << " " << v
                                                    << " exceeds cuBLAS' int range");
 }
+
+// The device's products: cuBLAS float64 on one stream; uploads stream-ordered after the products
+// that read the staging before them.
+class CublasProducts final : public ColumnMajorProducts {
+ public:
+  CublasProducts(const cuda::Cublas& blas, cuda::CublasHandle handle, cudaStream_t stream)
+      : blas_(blas), handle_(handle), stream_(stream) {}
+  void upload(double* dst, const double* src, int64_t count) override {
+    // From pageable memory: staged before the call returns.
+    KVB_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(count) * 8,
+                                   cudaMemcpyHostToDevice, stream_));
+  }
+  void syrk_lower(int n, int k, const double* a, int lda, double* c, int ldc) override {
+    KVB_CUDA_CHECK(blas_.dsyrk(handle_, cuda::kCublasFillLower, cuda::kCublasOpN, n, k, &one_, a,
+                               lda, &one_, c, ldc));
+  }
+  void gemm_nt(int m, int n, int k, const double* a, int lda, const double* b, int ldb, double* c,
+               int ldc) override {
+    KVB_CUDA_CHECK(blas_.dgemm(handle_, cuda::kCublasOpN, cuda::kCublasOpT, m, n, k, &one_, a,
+                               lda, b, ldb, &one_, c, ldc));
+  }
+
+ private:
+  const cuda::Cublas& blas_;
+  cuda::CublasHandle handle_;
+  cudaStream_t stream_;
+  const double one_ = 1;
+};
 
 }  // namespace
 
@@ -125,7 +153,7 @@ class FitterDevice {
   int64_t accumulator_elements = 0;
   std::vector<FitterAccumulator> host;
   std::vector<int64_t> offsets;             // [accumulator] -> element offset
-  std::map<const double*, int64_t> offset;  // host accumulator -> element offset
+  std::vector<std::pair<const double*, int64_t>> offset;  // host accumulator -> offset, sorted
   DevicePtr staging;                        // a chunk of X rows, then of Y rows
   int64_t staging_bytes = 0;
 
@@ -140,6 +168,48 @@ class FitterDevice {
   }
 };
 
+void accumulate_in_chunks(ColumnMajorProducts& blas, const double* x, int64_t ldx, const double* y,
+                          int64_t ldy, int64_t rows, const std::vector<FitterProduct>& products,
+                          int64_t chunk, double* staging_x, double* staging_y,
+                          double* accumulators,
+                          const std::vector<std::pair<const double*, int64_t>>& offsets) {
+  const auto by_address = [](const std::pair<const double*, int64_t>& e, const double* host) {
+    return std::less<const double*>()(e.first, host);
+  };
+  for (const FitterProduct& p : products) {
+    check_int(p.m, "product rows");
+    check_int(p.n, "product columns");
+  }
+  const auto offset_of = [&](const double* host) {
+    const auto it = std::lower_bound(offsets.begin(), offsets.end(), host, by_address);
+    KVB_CHECK(it != offsets.end() && it->first == host,
+              "AdapterFitter (CUDA): a product names no accumulator");
+    return it->second;
+  };
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+    const int64_t nc = std::min(chunk, rows - c0);
+    blas.upload(staging_x, x + c0 * ldx, nc * ldx);
+    if (ldy > 0) blas.upload(staging_y, y + c0 * ldy, nc * ldy);
+    for (const FitterProduct& p : products) {
+      const int64_t r0 = std::max(p.first, c0), r1 = std::min(p.first + p.rows, c0 + nc);
+      if (r0 >= r1) continue;
+      double* c = accumulators + offset_of(p.host);
+      const int k = static_cast<int>(r1 - r0);
+      // Row-major [rows, ld] blocks read column-major are [ld, rows]: A' = A^T, B' = B^T.
+      const double* a = staging_x + (r0 - c0) * ldx + p.a_col;
+      if (p.symmetric) {
+        blas.syrk_lower(static_cast<int>(p.m), k, a, static_cast<int>(ldx), c,
+                        static_cast<int>(p.m));
+      } else {
+        const int64_t ldb = p.b_from_y ? ldy : ldx;
+        const double* b = (p.b_from_y ? staging_y : staging_x) + (r0 - c0) * ldb + p.b_col;
+        blas.gemm_nt(static_cast<int>(p.n), static_cast<int>(p.m), k, b, static_cast<int>(ldb),
+                     a, static_cast<int>(ldx), c, static_cast<int>(p.n));
+      }
+    }
+  }
+}
+
 void FitterDeviceDeleter::operator()(FitterDevice* device) const noexcept { delete device; }
 
 FitterDevicePtr fitter_device_create(int device,
@@ -151,9 +221,12 @@ FitterDevicePtr fitter_device_create(int device,
   d->host = accumulators;
   for (const FitterAccumulator& a : accumulators) {
     d->offsets.push_back(d->accumulator_elements);
-    d->offset[a.host] = d->accumulator_elements;
+    d->offset.emplace_back(a.host, d->accumulator_elements);
     d->accumulator_elements += align_up(a.elements, kAlignDoubles);
   }
+  std::sort(d->offset.begin(), d->offset.end(), [](const auto& a, const auto& b) {
+    return std::less<const double*>()(a.first, b.first);
+  });
   KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking));
   KVB_CUDA_CHECK(blas.create(&d->handle));
   KVB_CUDA_CHECK(blas.set_stream(d->handle, d->stream));
@@ -184,42 +257,9 @@ void fitter_device_accumulate(FitterDevice& d, const double* x, int64_t ldx, con
     d.staging_bytes = need;
   }
   double* dx = static_cast<double*>(d.staging.get());
-  double* dy = dx + x_elements;
-  double* acc = static_cast<double*>(d.accumulators.get());
-  const double one = 1;
-  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-    const int64_t nc = std::min(chunk, rows - c0);
-    // From pageable memory: staged before the call returns; the stream orders these copies after
-    // the previous chunk's products, which read the same staging.
-    KVB_CUDA_CHECK(cudaMemcpyAsync(dx, x + c0 * ldx, static_cast<size_t>(nc * ldx * 8),
-                                   cudaMemcpyHostToDevice, d.stream));
-    if (ldy > 0)
-      KVB_CUDA_CHECK(cudaMemcpyAsync(dy, y + c0 * ldy, static_cast<size_t>(nc * ldy * 8),
-                                     cudaMemcpyHostToDevice, d.stream));
-    for (const FitterProduct& p : products) {
-      const int64_t r0 = std::max(p.first, c0), r1 = std::min(p.first + p.rows, c0 + nc);
-      if (r0 >= r1) continue;
-      const auto found = d.offset.find(p.host);
-      KVB_CHECK(found != d.offset.end(), "AdapterFitter (CUDA): a product names no accumulator");
-      double* c = acc + found->second;
-      const int k = static_cast<int>(r1 - r0);
-      const double* a = dx + (r0 - c0) * ldx + p.a_col;
-      check_int(p.m, "product rows");
-      check_int(p.n, "product columns");
-      if (p.symmetric) {
-        KVB_CUDA_CHECK(blas.dsyrk(d.handle, cuda::kCublasFillLower, cuda::kCublasOpN,
-                                  static_cast<int>(p.m), k, &one, a, static_cast<int>(ldx), &one,
-                                  c, static_cast<int>(p.m)));
-      } else {
-        const int64_t ldb = p.b_from_y ? ldy : ldx;
-        const double* b = (p.b_from_y ? dy + (r0 - c0) * ldy : dx + (r0 - c0) * ldx) + p.b_col;
-        KVB_CUDA_CHECK(blas.dgemm(d.handle, cuda::kCublasOpN, cuda::kCublasOpT,
-                                  static_cast<int>(p.n), static_cast<int>(p.m), k, &one, b,
-                                  static_cast<int>(ldb), a, static_cast<int>(ldx), &one, c,
-                                  static_cast<int>(p.n)));
-      }
-    }
-  }
+  CublasProducts device_blas(blas, d.handle, d.stream);
+  accumulate_in_chunks(device_blas, x, ldx, y, ldy, rows, products, chunk, dx, dx + x_elements,
+                       static_cast<double*>(d.accumulators.get()), d.offset);
   KVB_CUDA_CHECK(cudaStreamSynchronize(d.stream));
 }
 

@@ -68,6 +68,30 @@ FitterDevicePtr fitter_device_create(int device, const std::vector<FitterAccumul
 void fitter_device_accumulate(FitterDevice& device, const double* x, int64_t ldx, const double* y,
                               int64_t ldy, int64_t rows, const std::vector<FitterProduct>& products);
 
+/// What the chunked product loop needs from the device (an interface so that tests can check the
+/// loop's row chunks, offsets and transposes against a plain column-major reference on the CPU).
+/// Column-major BLAS semantics, accumulating (alpha = beta = 1).
+class ColumnMajorProducts {
+ public:
+  virtual ~ColumnMajorProducts() = default;
+  /// count doubles from host `src` to device `dst`.
+  virtual void upload(double* dst, const double* src, int64_t count) = 0;
+  /// Lower triangle of C [n, n] += A A^T, A [n, k] (ld lda).
+  virtual void syrk_lower(int n, int k, const double* a, int lda, double* c, int ldc) = 0;
+  /// C [m, n] += A B^T, A [m, k] (ld lda), B [n, k] (ld ldb).
+  virtual void gemm_nt(int m, int n, int k, const double* a, int lda, const double* b, int ldb,
+                       double* c, int ldc) = 0;
+};
+
+/// The loop of fitter_device_accumulate: rows [c0, c0 + chunk) of x and y are uploaded to
+/// staging_x [chunk, ldx] and staging_y [chunk, ldy], then every product that meets those rows
+/// adds their part into its accumulator, at accumulators + offset_of(product.host).
+void accumulate_in_chunks(ColumnMajorProducts& blas, const double* x, int64_t ldx, const double* y,
+                          int64_t ldy, int64_t rows, const std::vector<FitterProduct>& products,
+                          int64_t chunk, double* staging_x, double* staging_y,
+                          double* accumulators,
+                          const std::vector<std::pair<const double*, int64_t>>& offsets);
+
 /// Copies every device accumulator over its host accumulator.
 void fitter_device_download(const FitterDevice& device);
 
