@@ -743,18 +743,23 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
     for (size_t t = 0; t < is_held.size(); ++t) dest[t] = next[is_held[t]]++;
   }
   // Everything is computed before anything is accumulated, so a bad sample changes nothing.
-  MatD X(T, static_cast<int64_t>(layers.size()) * Fl);
-  for (size_t s = 0; s < layers.size(); ++s)
-    X(dest, Eigen::seqN(static_cast<int64_t>(s) * Fl, Fl)) = pick(
-        unrotated_rows(m.source, m.source_inv_freq, m.options.rope_aware, source_kv, layers[s],
-                       start_pos),
-        src_rows);
+  // One layer per task, each writing its own columns: with CUDA views the products are fast
+  // enough that a serial builder would dominate add().
+  const int64_t S = static_cast<int64_t>(layers.size());
+  MatD X(T, S * Fl);
   MatD Y(T, Lt * 2 * O);  // target layer j's keys then values at columns j * 2O
-  for (int64_t j = 0; j < Lt; ++j)
-    Y(dest, Eigen::seqN(j * 2 * O, 2 * O)) = pick(
-        unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, target_kv, j,
-                       start_pos),
-        tgt_rows);
+  detail::parallel_for(S + Lt, [&](int64_t i) {
+    if (i < S)
+      X(dest, Eigen::seqN(i * Fl, Fl)) =
+          pick(unrotated_rows(m.source, m.source_inv_freq, m.options.rope_aware, source_kv,
+                              layers[static_cast<size_t>(i)], start_pos),
+               src_rows);
+    else
+      Y(dest, Eigen::seqN((i - S) * 2 * O, 2 * O)) =
+          pick(unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, target_kv, i - S,
+                              start_pos),
+               tgt_rows);
+  });
   src_copy = detail::HostKVCopy();
   tgt_copy = detail::HostKVCopy();
   if (probing) {
@@ -799,9 +804,11 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
   }
   const int64_t ldx = X.cols(), ldy = Y.cols();
   if (on_cuda) {
+    // Allocations first: failing there leaves the fitter as it was.
     if (!m.device_products)
       m.device_products =
           detail::fitter_device_create(src.device().index, m.product_accumulators());
+    detail::fitter_device_reserve(*m.device_products, ldx, ldy, T);
     try {
       detail::fitter_device_accumulate(*m.device_products, X.data(), ldx, Y.data(), ldy, T,
                                        products);

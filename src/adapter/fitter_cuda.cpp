@@ -237,28 +237,43 @@ FitterDevicePtr fitter_device_create(int device,
   return d;
 }
 
+namespace {
+// Rows per chunk: as many as the staging holds, at least one.
+int64_t chunk_rows(int64_t ldx, int64_t ldy, int64_t rows) {
+  return std::max<int64_t>(
+      1, std::min(rows, kFitterDeviceStagingBytes / (8 * std::max<int64_t>(ldx + ldy, 1))));
+}
+int64_t staging_x_elements(int64_t chunk, int64_t ldx) {
+  return align_up(chunk * ldx, kAlignDoubles);
+}
+}  // namespace
+
+void fitter_device_reserve(FitterDevice& d, int64_t ldx, int64_t ldy, int64_t rows) {
+  check_int(ldx, "feature row length");
+  check_int(ldy, "output row length");
+  const int64_t chunk = chunk_rows(ldx, ldy, rows);
+  check_int(chunk, "rows per chunk");
+  const int64_t need = 8 * (staging_x_elements(chunk, ldx) + chunk * ldy);
+  if (d.staging_bytes >= need) return;
+  CurrentDevice current(d.device);
+  d.staging.reset();  // every earlier use completed: accumulate waits for its stream
+  d.staging_bytes = 0;
+  d.staging = device_alloc(need);
+  d.staging_bytes = need;
+}
+
 void fitter_device_accumulate(FitterDevice& d, const double* x, int64_t ldx, const double* y,
                               int64_t ldy, int64_t rows, const std::vector<FitterProduct>& products) {
   if (rows == 0 || products.empty()) return;
+  fitter_device_reserve(d, ldx, ldy, rows);
   const cuda::Cublas& blas = cuda::cublas();
   CurrentDevice current(d.device);
-  check_int(ldx, "feature row length");
-  check_int(ldy, "output row length");
   // Rows go up in chunks that fit the staging; every product runs once per chunk its rows meet.
-  const int64_t chunk = std::max<int64_t>(
-      1, std::min(rows, kFitterDeviceStagingBytes / (8 * std::max<int64_t>(ldx + ldy, 1))));
-  check_int(chunk, "rows per chunk");
-  const int64_t x_elements = align_up(chunk * ldx, kAlignDoubles);
-  const int64_t need = 8 * (x_elements + chunk * ldy);
-  if (d.staging_bytes < need) {
-    d.staging.reset();  // every earlier use completed: accumulate waits for its stream
-    d.staging_bytes = 0;
-    d.staging = device_alloc(need);
-    d.staging_bytes = need;
-  }
+  const int64_t chunk = chunk_rows(ldx, ldy, rows);
   double* dx = static_cast<double*>(d.staging.get());
   CublasProducts device_blas(blas, d.handle, d.stream);
-  accumulate_in_chunks(device_blas, x, ldx, y, ldy, rows, products, chunk, dx, dx + x_elements,
+  accumulate_in_chunks(device_blas, x, ldx, y, ldy, rows, products, chunk, dx,
+                       dx + staging_x_elements(chunk, ldx),
                        static_cast<double*>(d.accumulators.get()), d.offset);
   KVB_CUDA_CHECK(cudaStreamSynchronize(d.stream));
 }

@@ -61,6 +61,12 @@ inline constexpr int64_t kFitterDeviceStagingBytes = int64_t{1} << 30;
 /// be loaded.
 FitterDevicePtr fitter_device_create(int device, const std::vector<FitterAccumulator>& accumulators);
 
+/// Makes sure the staging can take a call of `rows` rows of x [rows, ldx] and y [rows, ldy]
+/// (allocating it if not), so that the only failures left to fitter_device_accumulate are CUDA
+/// failures while it adds. Throws InvalidArgument for sizes beyond cuBLAS' int range, Unavailable
+/// when the memory cannot be allocated.
+void fitter_device_reserve(FitterDevice& device, int64_t ldx, int64_t ldy, int64_t rows);
+
 /// Adds the products of one call: x [rows, ldx] and y [rows, ldy] are the call's host features
 /// (row-major float64); every product's `host` must be one of the accumulators the device was
 /// created with. Returns when the products are complete. Throws Unavailable on a CUDA or cuBLAS

@@ -17,6 +17,9 @@ FitterDevicePtr fitter_device_create(int, const std::vector<FitterAccumulator>&)
   KVB_CHECK_AS(Unavailable, false, "AdapterFitter: this build of kvbridge has no CUDA path");
   return {};
 }
+void fitter_device_reserve(FitterDevice&, int64_t, int64_t, int64_t) {
+  KVB_CHECK_AS(Unavailable, false, "AdapterFitter: this build of kvbridge has no CUDA path");
+}
 void fitter_device_accumulate(FitterDevice&, const double*, int64_t, const double*, int64_t,
                               int64_t, const std::vector<FitterProduct>&) {
   KVB_CHECK_AS(Unavailable, false, "AdapterFitter: this build of kvbridge has no CUDA path");
