@@ -3,7 +3,8 @@
 #   1. the machine: GPU, driver, nvcc, torch;
 #   2. cuBLAS: exports KVBRIDGE_CUBLAS when libcublas.so.13 is not on the loader's path;
 #   3. the CUDA GoogleTest suite (ctest -L cuda when the build tree is usable here, else the test
-#      binary itself) and the CPU suite's convert tests;
+#      binary itself): convert against the CPU path, and the fitter on CUDA views against the CPU
+#      fitter (FitterCudaVsCpu.*); then the CPU suite's convert and fitter tests;
 #   4. the Python CUDA tests (pytest -m cuda) with the carried extension module, when it matches
 #      this Python;
 #   5. kvbridge_cuda_bench (extra arguments are passed to it).
@@ -85,7 +86,7 @@ if [ -x "$TESTS" ]; then
   fi
   if [ -x "$CPU_TESTS" ]; then
     "$CPU_TESTS" --gtest_filter='ConvertDevice.*:ConvertVsReference.*:AdapterFitter.*' ||
-      fail "kvbridge_tests (convert)"
+      fail "kvbridge_tests (convert, fitter)"
   fi
 else
   fail "no test binary at $TESTS"

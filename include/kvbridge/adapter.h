@@ -210,7 +210,11 @@ class LinearAdapter {
 /// samples, 16 * (U * Fl + B * Fl^2 + sum_j (|C_j| * Fl * 2 * O + 2 * O + 2)) bytes, U the number
 /// of distinct candidate layers and B the number of layer pairs that share some C_j (U(U+1)/2 when
 /// every C_j holds all layers). add() also takes 8 * tokens * (U * Fl + 2 * Lt * O) bytes of
-/// temporaries per call.
+/// temporaries per call. A fitter fed CUDA views (see add()) holds the cross products (the Fl^2
+/// and Fl * 2 O blocks above) a second time in device memory, where they accumulate; the host
+/// copy is what fit() solves from. max_memory_bytes bounds each copy. Per call it also takes the
+/// viewed spans of both views in host memory and at most 1 GiB of device staging (the features
+/// go up in chunks of rows).
 ///
 /// Two passes: when kAuto's all-layer accumulators exceed options.max_memory_bytes, the fitter
 /// first runs a probe pass (passes() == 2, pass() == 0) that fits every source layer alone to
@@ -225,7 +229,9 @@ class LinearAdapter {
 /// about two candidates per target layer.
 /// Time: add() is O(tokens * (U * Fl + B * Fl^2 + sum_j |C_j| * Fl * 2 * O)) in float64 BLAS
 /// products (dsyrk for the diagonal blocks, dgemm for the rest), independent products running in
-/// parallel on omp_get_max_threads() threads. fit() does one eigendecomposition (LAPACK dsyevd)
+/// parallel on omp_get_max_threads() threads; with CUDA views the same products run on the device
+/// (cuBLAS DSYRK / DGEMM, one after another on one stream) and the host's part is building and
+/// uploading the float64 features, O(tokens * (U * Fl + 2 * Lt * O)). fit() does one eigendecomposition (LAPACK dsyevd)
 /// of size |S| * Fl per distinct candidate set S, shared by every target layer that tries S
 /// (kAll: one in all; kAuto's first round: one per source layer) and by every ridge strength;
 /// independent sets run in parallel, a lone one on threaded LAPACK. Per (target layer, set) it
@@ -242,9 +248,26 @@ class AdapterFitter {
   AdapterFitter(const AdapterFitter&) = delete;
   AdapterFitter& operator=(const AdapterFitter&) = delete;
 
-  /// Adds one sequence: src and tgt are CPU views matching the two specs, with the same token
-  /// count, for the same tokens at absolute positions start_pos, start_pos + 1, ...
-  /// Throws InvalidArgument on mismatch or on non-finite values (nothing is accumulated then).
+  /// Adds one sequence: src and tgt are views matching the two specs, with the same token
+  /// count, for the same tokens at absolute positions start_pos, start_pos + 1, ..., both on the
+  /// CPU or both on one CUDA device.
+  /// CUDA views (device or managed memory of cuda:index, any strides): the features are built on
+  /// the host by the same code as for CPU views (RoPE, layer sets, held-out split and passes
+  /// alike), from copies of the views made with synchronous copies on the legacy default stream
+  /// (work on blocking streams is waited for; synchronise non-blocking streams that write the
+  /// views first). The normal-equation products then run on that device with cuBLAS in float64
+  /// (DSYRK, DGEMM) into accumulators kept on the device; fit() and next_pass() copy them back
+  /// and solve on the CPU. The call returns when the products are complete. The results equal
+  /// the CPU path's but for the products' summation order (float64 rounding). cuBLAS is loaded
+  /// on first use as for LinearAdapter::convert.
+  /// One device per fitter: the first add() that accumulates anything fixes it (the CPU or one
+  /// CUDA device), for both passes; samples on any other device are refused (InvalidArgument).
+  /// Throws InvalidArgument on mismatch, on non-finite values, for views on two devices or on
+  /// another device than the fitter's, or planes that are not device memory of their device
+  /// (nothing is accumulated then); Unavailable when this build has no CUDA path, no CUDA device
+  /// is present, cuBLAS cannot be loaded or device memory allocated (nothing is accumulated
+  /// then), or a CUDA call fails during the products, after which the accumulators may be
+  /// incomplete and every later add(), next_pass() and fit() throws Unavailable.
   void add(const KVView& src, const KVView& tgt, int64_t start_pos = 0);
   /// Adds one sequence of a pair with different tokenizers (two tokenizations of one text):
   /// alignment holds one entry per target token (tgt.tokens() of them), a source token index in
@@ -262,7 +285,7 @@ class AdapterFitter {
   /// The pass being accumulated, from 0.
   int pass() const noexcept;
   /// Ends the probe pass: picks each target layer's candidate source layers, frees the probe's
-  /// accumulators and starts the final pass with no samples. Throws InvalidArgument if the fitter
+  /// accumulators (on the device too) and starts the final pass with no samples. Throws InvalidArgument if the fitter
   /// is not in a probe pass or the probe holds fewer than 2 training and 2 held-out tokens.
   void next_pass();
   /// [target layer] -> ascending source layers fit() chooses from. Throws InvalidArgument during
@@ -275,8 +298,10 @@ class AdapterFitter {
   /// Bytes held by the accumulators.
   int64_t memory_bytes() const noexcept;
 
-  /// Solves the regressions. Throws InvalidArgument during a probe pass or if too few tokens
-  /// were added (fewer than 2 training or 2 held-out tokens).
+  /// Solves the regressions (a CUDA fitter first copies its device accumulators back; it keeps
+  /// them, so more samples may follow). Throws InvalidArgument during a probe pass or if too few
+  /// tokens were added (fewer than 2 training or 2 held-out tokens); Unavailable when a CUDA
+  /// copy fails or an earlier add() failed on the device.
   LinearAdapter fit() const;
 
  private:

@@ -48,11 +48,13 @@ Cublas load() {
     resolve(lib, "cublasSetStream_v2", b.set_stream, path);
     resolve(lib, "cublasSetWorkspace_v2", b.set_workspace, path);
     resolve(lib, "cublasGemmEx", b.gemm_ex, path);
+    resolve(lib, "cublasDgemm_v2", b.dgemm, path);
+    resolve(lib, "cublasDsyrk_v2", b.dsyrk, path);
     resolve(lib, "cublasGetStatusString", b.status_string, path);
     return b;  // never dlclose'd: handles may outlive any one caller
   }
   KVB_CHECK_AS(Unavailable, false,
-               "cuBLAS (" << kCublasSoname << ") cannot be loaded; the CUDA convert path needs it. "
+               "cuBLAS (" << kCublasSoname << ") cannot be loaded; the CUDA path (convert, fitting) needs it. "
                           << "Install cuBLAS 13 (e.g. pip install nvidia-cublas) or set "
                           << "KVBRIDGE_CUBLAS to the library's path. Tried:" << tried.str());
   return {};

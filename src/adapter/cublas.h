@@ -1,4 +1,5 @@
-// cuBLAS, loaded at run time: the few entry points the CUDA convert path uses.
+// cuBLAS, loaded at run time: the few entry points the CUDA paths use (convert's mixed-precision
+// GEMMs, the fitter's float64 normal-equation products).
 //
 // Why dlopen rather than linking CUDA::cublas: libkvbridge and the Python extension must load and
 // run their CPU path on machines with no GPU, no driver and no cuBLAS; the CPU path should not pay
@@ -19,6 +20,7 @@ namespace kvbridge::cuda {
 
 // The values of cuBLAS' C enums (cublas_api.h); the ABI passes them as int.
 enum CublasOperation : int { kCublasOpN = 0, kCublasOpT = 1 };
+enum CublasFillMode : int { kCublasFillLower = 0, kCublasFillUpper = 1 };
 enum CublasComputeType : int { kCublasCompute32F = 68 };  ///< float32 accumulation, no TF32
 enum CublasGemmAlgo : int { kCublasGemmDefault = -1 };
 struct CublasContext;  // opaque
@@ -37,6 +39,14 @@ struct Cublas {
                           cudaDataType a_type, int lda, const void* b, cudaDataType b_type,
                           int ldb, const void* beta, void* c, cudaDataType c_type, int ldc,
                           CublasComputeType compute, CublasGemmAlgo algo);
+  /// Column-major float64 GEMM, C = alpha op(A) op(B) + beta C; scalars in host memory.
+  CublasStatus (*dgemm)(CublasHandle handle, CublasOperation transa, CublasOperation transb,
+                        int m, int n, int k, const double* alpha, const double* a, int lda,
+                        const double* b, int ldb, const double* beta, double* c, int ldc);
+  /// Column-major float64 rank-k update of one triangle: C = alpha op(A) op(A)^T + beta C.
+  CublasStatus (*dsyrk)(CublasHandle handle, CublasFillMode uplo, CublasOperation trans, int n,
+                        int k, const double* alpha, const double* a, int lda, const double* beta,
+                        double* c, int ldc);
   const char* (*status_string)(CublasStatus status);
   std::string path;  ///< what was loaded
 };

@@ -6,10 +6,12 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "kvbridge/adapter.h"
 #include "kvbridge/error.h"
 #include "src/adapter/adapter_impl.h"
+#include "src/adapter/fitter_cuda.h"
 #include "src/adapter/lapack.h"
 #include "src/adapter/numeric.h"
 #include "src/adapter/parallel.h"
@@ -311,12 +313,44 @@ struct AdapterFitter::Impl {
   // Probe pass (pass 0 of 2): every source layer alone against sketched target outputs.
   int64_t sketch_width = 0;
   MatD sketch;  // [O, sketch_width]
-  ProbeMoments probe_train, probe_held;
+  // mutable: in a CUDA fitter the cross products accumulate on the device, and these host
+  // matrices are a copy that fit() refreshes from it (the sums and counts are always here).
+  mutable ProbeMoments probe_train, probe_held;
   // Final pass: the plan's blocks.
   Plan plan;
-  BlockMoments train, held;
+  mutable BlockMoments train, held;
+  // Where the samples live: set by the first add(); a fitter takes all of them from one device.
+  std::optional<Device> sample_device;
+  // This pass's device accumulators of a CUDA fitter, created by its first add() of the pass.
+  detail::FitterDevicePtr device_products;
+  bool device_failed = false;  // a CUDA failure inside add() left them incomplete
 
   bool probing() const { return passes == 2 && pass == 0; }
+
+  // The current pass's cross-product accumulators, in a fixed order.
+  std::vector<detail::FitterAccumulator> product_accumulators() const {
+    std::vector<detail::FitterAccumulator> out;
+    const auto add = [&](MatD& a) { out.push_back({a.data(), static_cast<int64_t>(a.size())}); };
+    for (ProbeMoments* p : {&probe_train, &probe_held}) {
+      for (MatD& a : p->xx) add(a);
+      for (MatD& a : p->xz) add(a);
+    }
+    for (BlockMoments* b : {&train, &held}) {
+      for (MatD& a : b->xx) add(a);
+      for (auto& per_layer : b->xy)
+        for (MatD& a : per_layer) add(a);
+    }
+    return out;
+  }
+
+  // Brings a CUDA fitter's device products into the host accumulators (fit() and next_pass()
+  // solve on the host).
+  void sync_from_device() const {
+    KVB_CHECK_AS(Unavailable, !device_failed,
+                 "AdapterFitter: a CUDA failure during add() left the accumulators incomplete; "
+                 "start a new fitter");
+    if (device_products) detail::fitter_device_download(*device_products);
+  }
   int64_t maps() const { return 2 * target.num_layers; }
 
   double probe_bytes() const {
@@ -324,6 +358,7 @@ struct AdapterFitter::Impl {
   }
 
   void start_final_pass(Plan p) {
+    device_products.reset();  // the probe's device accumulators go first too
     // The probe's accumulators go first, so the two passes' never coexist.
     probe_train = ProbeMoments();
     probe_held = ProbeMoments();
@@ -629,10 +664,33 @@ void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos,
   add_impl(src, tgt, start_pos, &alignment);
 }
 
+namespace {
+
+std::string device_name(const Device& d) {
+  return d.type == DeviceType::kCUDA ? "cuda:" + std::to_string(d.index) : std::string("cpu");
+}
+
+}  // namespace
+
 void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start_pos,
                              const std::vector<int64_t>* alignment) {
   Impl& m = *impl_;
-  check_pair(m.source, m.target, src, tgt, "source_kv", "target_kv", alignment == nullptr);
+  src.check_matches(m.source, "source_kv");
+  tgt.check_matches(m.target, "target_kv");
+  KVB_CHECK(alignment || src.tokens() == tgt.tokens(),
+            "target_kv holds " << tgt.tokens() << " tokens but source_kv holds " << src.tokens());
+  KVB_CHECK(src.device() == tgt.device(), "source_kv and target_kv must be on one device, got "
+                                              << device_name(src.device()) << " and "
+                                              << device_name(tgt.device()));
+  const bool on_cuda = src.device().type == DeviceType::kCUDA;
+  KVB_CHECK(!m.sample_device || *m.sample_device == src.device(),
+            "AdapterFitter::add: this fitter's samples are on "
+                << device_name(*m.sample_device) << ", this one is on "
+                << device_name(src.device())
+                << "; one fitter takes all its samples from one device (CPU or one CUDA device)");
+  KVB_CHECK_AS(Unavailable, !m.device_failed,
+               "AdapterFitter::add: a CUDA failure during an earlier add() left the accumulators "
+               "incomplete; start a new fitter");
   detail::check_positions(start_pos, std::max(src.tokens(), tgt.tokens()));
   // With an alignment the samples are the target tokens that have a source token: target row
   // j with the source row alignment[j] (un-rotated at its own source position).
@@ -645,14 +703,23 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
         tgt_rows.push_back(static_cast<int64_t>(j));
       }
   }
-  const auto pick = [&](MatD rows, const std::vector<int64_t>& index) -> MatD {
-    if (!alignment) return rows;
-    return rows(index, Eigen::all);
-  };
   const int64_t T = alignment ? static_cast<int64_t>(tgt_rows.size()) : src.tokens();
   if (T == 0) return;
   KVB_CHECK(T <= std::numeric_limits<int>::max(),
             "add: " << T << " tokens in one sample; add at most 2^31 - 1 at a time");
+  // CUDA views are read into host memory, so one feature builder (below) serves both paths;
+  // only the products, nearly all of the work, then run on the device.
+  detail::HostKVCopy src_copy, tgt_copy;
+  if (on_cuda) {
+    src_copy = detail::fitter_copy_to_host(src, "source_kv");
+    tgt_copy = detail::fitter_copy_to_host(tgt, "target_kv");
+  }
+  const KVView& source_kv = on_cuda ? src_copy.view : src;
+  const KVView& target_kv = on_cuda ? tgt_copy.view : tgt;
+  const auto pick = [&](MatD rows, const std::vector<int64_t>& index) -> MatD {
+    if (!alignment) return rows;
+    return rows(index, Eigen::all);
+  };
   const int64_t Fl = m.layer_features, O = m.outputs, Lt = m.target.num_layers;
   const bool probing = m.probing();
   std::vector<int64_t> layers;
@@ -676,17 +743,25 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
     for (size_t t = 0; t < is_held.size(); ++t) dest[t] = next[is_held[t]]++;
   }
   // Everything is computed before anything is accumulated, so a bad sample changes nothing.
-  MatD X(T, static_cast<int64_t>(layers.size()) * Fl);
-  for (size_t s = 0; s < layers.size(); ++s)
-    X(dest, Eigen::seqN(static_cast<int64_t>(s) * Fl, Fl)) = pick(
-        unrotated_rows(m.source, m.source_inv_freq, m.options.rope_aware, src, layers[s],
-                       start_pos),
-        src_rows);
+  // One layer per task, each writing its own columns: with CUDA views the products are fast
+  // enough that a serial builder would dominate add().
+  const int64_t S = static_cast<int64_t>(layers.size());
+  MatD X(T, S * Fl);
   MatD Y(T, Lt * 2 * O);  // target layer j's keys then values at columns j * 2O
-  for (int64_t j = 0; j < Lt; ++j)
-    Y(dest, Eigen::seqN(j * 2 * O, 2 * O)) = pick(
-        unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, tgt, j, start_pos),
-        tgt_rows);
+  detail::parallel_for(S + Lt, [&](int64_t i) {
+    if (i < S)
+      X(dest, Eigen::seqN(i * Fl, Fl)) =
+          pick(unrotated_rows(m.source, m.source_inv_freq, m.options.rope_aware, source_kv,
+                              layers[static_cast<size_t>(i)], start_pos),
+               src_rows);
+    else
+      Y(dest, Eigen::seqN((i - S) * 2 * O, 2 * O)) =
+          pick(unrotated_rows(m.target, m.target_inv_freq, m.options.rope_aware, target_kv, i - S,
+                              start_pos),
+               tgt_rows);
+  });
+  src_copy = detail::HostKVCopy();
+  tgt_copy = detail::HostKVCopy();
   if (probing) {
     const int64_t r = m.sketch_width;
     MatD Z(T, m.maps() * r);
@@ -695,17 +770,75 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
                            m.sketch.data(), r, 0, Z.data() + map * r, Z.cols());
     Y = std::move(Z);
   }
-  m.tokens_seen += static_cast<uint64_t>(T);
 
-  // The products, each a BLAS call of its own, run in parallel across threads; the sums are
-  // cheap and done here.
-  const int64_t ldx = X.cols(), ldy = Y.cols();
-  std::vector<std::function<void()>> products;
+  // The cross products of the two parts (train rows, then held-out rows), each one BLAS call.
+  std::vector<detail::FitterProduct> products;
   for (int part = 0; part < 2; ++part) {
     const int64_t first = part ? n_train : 0, rows = part ? T - n_train : n_train;
     if (rows == 0) continue;
-    const double* Xp = X.data() + first * ldx;
-    const double* Yp = Y.data() + first * ldy;
+    const auto product = [&](bool symmetric, bool b_from_y, int64_t a_col, int64_t b_col,
+                             int64_t m_rows, int64_t n_cols, MatD& acc) {
+      products.push_back(
+          {symmetric, b_from_y, first, rows, a_col, b_col, m_rows, n_cols, acc.data()});
+    };
+    if (probing) {
+      ProbeMoments& acc = part ? m.probe_held : m.probe_train;
+      for (size_t l = 0; l < layers.size(); ++l) {
+        const int64_t col = static_cast<int64_t>(l) * Fl;
+        product(true, false, col, col, Fl, Fl, acc.xx[l]);
+        product(false, true, col, 0, Fl, acc.xz[l].cols(), acc.xz[l]);
+      }
+      continue;
+    }
+    BlockMoments& acc = part ? m.held : m.train;
+    for (size_t k = 0; k < m.plan.blocks.size(); ++k) {
+      const int64_t a = m.plan.blocks[k].first, b = m.plan.blocks[k].second;
+      product(a == b, false, a * Fl, b * Fl, Fl, Fl, acc.xx[k]);
+    }
+    for (int64_t j = 0; j < Lt; ++j) {
+      const size_t jj = static_cast<size_t>(j);
+      const auto& C = m.plan.candidates[jj];
+      for (size_t c = 0; c < C.size(); ++c)
+        product(false, true, m.plan.slot(C[c]) * Fl, j * 2 * O, Fl, 2 * O, acc.xy[jj][c]);
+    }
+  }
+  const int64_t ldx = X.cols(), ldy = Y.cols();
+  if (on_cuda) {
+    // Allocations first: failing there leaves the fitter as it was.
+    if (!m.device_products)
+      m.device_products =
+          detail::fitter_device_create(src.device().index, m.product_accumulators());
+    detail::fitter_device_reserve(*m.device_products, ldx, ldy, T);
+    try {
+      detail::fitter_device_accumulate(*m.device_products, X.data(), ldx, Y.data(), ldy, T,
+                                       products);
+    } catch (...) {
+      m.device_failed = true;
+      throw;
+    }
+  } else {
+    // Independent products run in parallel across threads, each a single-threaded BLAS call.
+    detail::parallel_for(static_cast<int64_t>(products.size()), [&](int64_t i) {
+      const detail::FitterProduct& p = products[static_cast<size_t>(i)];
+      const double* a = X.data() + p.first * ldx + p.a_col;
+      if (p.symmetric) {
+        detail::lapack::syrk_upper(true, p.m, p.rows, 1, a, ldx, 1, p.host, p.m);
+      } else {
+        const double* b = (p.b_from_y ? Y.data() + p.first * ldy : X.data() + p.first * ldx) +
+                          p.b_col;
+        detail::lapack::gemm(true, false, p.m, p.n, p.rows, 1, a, ldx, b, p.b_from_y ? ldy : ldx,
+                             1, p.host, p.n);
+      }
+    });
+  }
+
+  // The sums are cheap and always kept on the host; last, so a failed device call leaves the
+  // counts as they were.
+  m.sample_device = src.device();
+  m.tokens_seen += static_cast<uint64_t>(T);
+  for (int part = 0; part < 2; ++part) {
+    const int64_t first = part ? n_train : 0, rows = part ? T - n_train : n_train;
+    if (rows == 0) continue;
     const auto Xs = X.middleRows(first, rows);
     const auto Ys = Y.middleRows(first, rows);
     if (probing) {
@@ -715,57 +848,22 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
       acc.sz += Ys.colwise().sum().transpose();
       for (int64_t map = 0; map < m.maps(); ++map)
         acc.zz[map] += Ys.middleCols(map * r, r).squaredNorm();
-      for (size_t l = 0; l < layers.size(); ++l) {
-        const int64_t col = static_cast<int64_t>(l) * Fl;
-        acc.sx[l] += Xs.middleCols(col, Fl).colwise().sum().transpose();
-        double* xx = acc.xx[l].data();
-        double* xz = acc.xz[l].data();
-        const int64_t zc = acc.xz[l].cols();
-        products.emplace_back(
-            [=] { detail::lapack::syrk_upper(true, Fl, rows, 1, Xp + col, ldx, 1, xx, Fl); });
-        products.emplace_back([=] {
-          detail::lapack::gemm(true, false, Fl, zc, rows, 1, Xp + col, ldx, Yp, ldy, 1, xz, zc);
-        });
-      }
+      for (size_t l = 0; l < layers.size(); ++l)
+        acc.sx[l] += Xs.middleCols(static_cast<int64_t>(l) * Fl, Fl).colwise().sum().transpose();
       continue;
     }
     BlockMoments& acc = part ? m.held : m.train;
     acc.n += rows;
     for (size_t s = 0; s < layers.size(); ++s)
       acc.sx[s] += Xs.middleCols(static_cast<int64_t>(s) * Fl, Fl).colwise().sum().transpose();
-    for (size_t k = 0; k < m.plan.blocks.size(); ++k) {
-      // Plain copies, not a structured binding: C++17 lambdas cannot capture bindings.
-      const int64_t a = m.plan.blocks[k].first, b = m.plan.blocks[k].second;
-      double* xx = acc.xx[k].data();
-      if (a == b)
-        products.emplace_back([=] {
-          detail::lapack::syrk_upper(true, Fl, rows, 1, Xp + a * Fl, ldx, 1, xx, Fl);
-        });
-      else
-        products.emplace_back([=] {
-          detail::lapack::gemm(true, false, Fl, Fl, rows, 1, Xp + a * Fl, ldx, Xp + b * Fl, ldx,
-                               1, xx, Fl);
-        });
-    }
     for (int64_t j = 0; j < Lt; ++j) {
       const size_t jj = static_cast<size_t>(j);
       const auto Yj = Ys.middleCols(j * 2 * O, 2 * O);
       acc.sy[jj] += Yj.colwise().sum().transpose();
       acc.yy[jj][0] += Yj.leftCols(O).squaredNorm();
       acc.yy[jj][1] += Yj.rightCols(O).squaredNorm();
-      const auto& C = m.plan.candidates[jj];
-      for (size_t c = 0; c < C.size(); ++c) {
-        const int64_t col = m.plan.slot(C[c]) * Fl;
-        double* xy = acc.xy[jj][c].data();
-        products.emplace_back([=] {
-          detail::lapack::gemm(true, false, Fl, 2 * O, rows, 1, Xp + col, ldx, Yp + j * 2 * O,
-                               ldy, 1, xy, 2 * O);
-        });
-      }
     }
   }
-  detail::parallel_for(static_cast<int64_t>(products.size()),
-               [&](int64_t i) { products[static_cast<size_t>(i)](); });
 }
 
 void AdapterFitter::next_pass() {
@@ -775,6 +873,7 @@ void AdapterFitter::next_pass() {
   KVB_CHECK(m.probe_train.n >= 2 && m.probe_held.n >= 2,
             "next_pass: the probe pass needs at least 2 training and 2 held-out tokens, has "
                 << m.probe_train.n << " and " << m.probe_held.n);
+  m.sync_from_device();
   const auto score = m.probe_scores();
   const int64_t Ls = m.source.num_layers, Lt = m.target.num_layers;
   std::vector<std::vector<int64_t>> order(static_cast<size_t>(Lt));
@@ -829,6 +928,7 @@ LinearAdapter AdapterFitter::fit() const {
   out->report.holdout_tokens = m.held.n;
   out->report.rope_aware = m.options.rope_aware;
   out->report.alignment_policy = m.options.alignment_policy;
+  m.sync_from_device();
   std::vector<Impl::Choice> chosen = m.select();
   for (Impl::Choice& c : chosen) {
     out->layers.push_back(c.layers);
