@@ -21,7 +21,8 @@ from kvbridge import _core, monitor, testbed  # noqa: E402
 from kvbridge import eval as ev  # noqa: E402
 from kvbridge.vllm import shadow  # noqa: E402
 from kvbridge.vllm.connector import OUTCOME_KEY  # noqa: E402
-from kvbridge.vllm.testbed import ADAPTER, greedy, heldout_prompts, testbed_llm, token_prompts  # noqa: E402
+from kvbridge.vllm import testbed as engines  # noqa: E402
+from kvbridge.vllm.testbed import ADAPTER, greedy, heldout_prompts, token_prompts  # noqa: E402
 
 #: The Bridge's default floor (the connector passes the Bridge's defaults through).
 FLOOR = dict((n, d) for n, _, d, _ in _core.Bridge.OPTIONS)["min_agreement"]
@@ -167,7 +168,7 @@ def run(tmp_path_factory):
     damaged.save(damaged_path)
     shipped = kvbridge.LinearAdapter.load(str(ADAPTER))
 
-    llm = testbed_llm("testbed-b", {"adapters": [str(ADAPTER), str(damaged_path)],
+    llm = engines.testbed_llm("testbed-b", {"adapters": [str(ADAPTER), str(damaged_path)],
                                     "min_quality": float("-inf"), "min_checks": MIN_CHECKS,
                                     "check_window": CHECK_WINDOW},
                       worker_extension_cls=shadow.EXTENSION, max_logprobs=-1)
@@ -205,7 +206,9 @@ def run(tmp_path_factory):
     r["after_fallback"] = sc.stats()
     r["enabled"] = sc.enable(damaged.fingerprint)
     r["enable_unknown"] = sc.enable("0" * 32)
-    r["reenabled"] = sc.generate(token_prompts(bad[:1]), params, use_tqdm=False)
+    # bad[1] was converted before the disable (which reset vLLM's prefix cache and purged the
+    # written-back entries) and not served since: a converted load again
+    r["reenabled"] = sc.generate(token_prompts(bad[1:2]), params, use_tqdm=False)
     r["after_enable"] = sc.stats()
     plain = shadow.ShadowChecks(llm, sample_rate=0.0)
     r["plain"] = plain.generate(token_prompts(good[:4]), params, use_tqdm=False)

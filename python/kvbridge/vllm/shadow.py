@@ -12,13 +12,14 @@ Enable::
 The user's requests are served as by ``llm.generate``. For each one whose load held converted
 tokens (``kv_transfer_params["kvbridge"]["adapter"]`` of its output, set by the connector) and
 that the seeded sampler draws (share ``sample_rate``), two twin requests of the same prompt run
-after the batch (``max_tokens=1`` with prompt logprobs; vLLM does not read its prefix cache for
-requests with prompt logprobs):
+after the batch (``max_tokens=1`` with prompt logprobs):
 
-- an **own** twin: the connector promises nothing, so the model prefills the whole prompt;
-- a **converted** twin: the connector loads the prompt's prefix from the user's namespace, cut
-  to at most ``len(prompt) - positions`` tokens, so the model computes the last ``positions``
-  positions over the converted prefix.
+- an **own** twin: the model prefills the whole prompt (vLLM reads neither its prefix cache nor
+  the connector for a request with prompt logprobs, and the connector promises it nothing);
+- a **converted** twin (``skip_reading_prefix_cache=False`` and a fresh ``cache_salt``, so vLLM
+  asks the connector but cannot reuse its own cached blocks): the connector loads the prompt's
+  prefix from the user's namespace, cut to at most ``len(prompt) - positions`` tokens, so the
+  model computes the last ``positions`` positions over the converted prefix.
 
 At those positions ``check_from_logprobs`` compares the two next-token distributions as
 ``kvbridge.monitor.compare`` does (top-1 agreement, KL(own || converted), loss gap); the Check is
@@ -43,6 +44,7 @@ import logging
 import math
 import random
 import threading
+import uuid
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbridge import _args
@@ -204,6 +206,8 @@ class ShadowChecks:
         self.logprobs = int(logprobs)
         self._rng = random.Random(_args.seed("seed", seed))
         self._lock = threading.Lock()
+        self._instance = uuid.uuid4().hex[:12]
+        self._twins = 0
         self._counts = {"eligible": 0, "sampled": 0, "checks": 0, "skipped": 0,
                         "disables": 0, "enables": 0}
 
@@ -262,14 +266,21 @@ class ShadowChecks:
             return []
         twins = []
         for ids, namespace in jobs:
-            for shadow in ({"role": "own"},
-                           {"role": "converted", "namespace": namespace,
-                            "positions": self.positions}):
-                params = SamplingParams(
-                    max_tokens=1, temperature=0.0, logprobs=self.logprobs,
-                    prompt_logprobs=self.logprobs, detokenize=False,
-                    extra_args={"kv_transfer_params": {SHADOW_KEY: shadow}})
-                twins.append(({"prompt_token_ids": ids}, params))
+            # The own twin: vLLM reads neither its prefix cache nor the connector for a request
+            # with prompt logprobs, so it prefills the whole prompt.
+            own = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.logprobs,
+                                 prompt_logprobs=self.logprobs, detokenize=False,
+                                 extra_args={"kv_transfer_params": {SHADOW_KEY: {"role": "own"}}})
+            twins.append(({"prompt_token_ids": ids}, own))
+            # The converted twin asks vLLM to consult the connector after all; a fresh
+            # cache_salt keeps vLLM's own prefix cache (blocks of the served request) out.
+            conv = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.logprobs,
+                                  prompt_logprobs=self.logprobs, detokenize=False,
+                                  skip_reading_prefix_cache=False,
+                                  extra_args={"kv_transfer_params": {SHADOW_KEY: {
+                                      "role": "converted", "namespace": namespace,
+                                      "positions": self.positions}}})
+            twins.append(({"prompt_token_ids": ids, "cache_salt": self._salt()}, conv))
         results = self.llm.generate([p for p, _ in twins], [s for _, s in twins],
                                     use_tqdm=False)
         checks: List[Optional[Check]] = []
@@ -294,6 +305,11 @@ class ShadowChecks:
                                 "the model's own prefill (ShadowChecks.enable re-enables it)", fp)
         return checks
 
+    def _salt(self) -> str:
+        with self._lock:
+            self._twins += 1
+            return f"kvbridge-shadow-{self._instance}-{self._twins}"
+
     def _compare(self, ids: List[int], own: Any, conv: Any) -> Tuple[str, Optional[Check]]:
         found = self._outcome(conv)
         if not found or not found.get("adapter") or not found.get("tokens_loaded"):
@@ -302,18 +318,23 @@ class ShadowChecks:
         t = int(found.get("start", 0)) + int(found["tokens_loaded"])
         conv_prompt = conv.prompt_logprobs or []
         own_prompt = own.prompt_logprobs or []
-        # vLLM returns prompt logprobs from the first computed position on, after a leading
-        # None: entry j of a list of length L is token (n - L + j)'s distribution, the one
-        # computed at position n - L + j - 1. The sampled token's logprobs are position n - 1's.
-        if not 1 <= t < n or len(conv_prompt) != n - t or len(own_prompt) != n:
-            log.warning("shadow check of a %d-token prompt skipped: %d tokens loaded, %d / %d "
-                        "prompt logprob entries", n, t, len(conv_prompt), len(own_prompt))
-            return "", None
-        # The last m positions, as kvbridge.monitor.compare: n - m .. n - 1.
+        # The last m positions, as kvbridge.monitor.compare: n - m .. n - 1. Position i's
+        # distribution is the prompt logprobs entry of token i + 1, the last one's is the
+        # sampled token's. vLLM computes no logprobs for loaded positions: its list still has
+        # one entry per prompt token, but those of tokens 1..t hold whatever its buffer held
+        # (a release that leaves them out would start the list at token t), so only entries
+        # of tokens past t are read, indexed from the list's end.
         m = min(self.positions, n - t)
-        own_steps = [_as_floats(d) for d in own_prompt[n - m + 1:]] + [
-            _as_floats(own.outputs[0].logprobs[0])]
-        conv_steps = [_as_floats(d) for d in conv_prompt[len(conv_prompt) - m + 1:]] + [
+        conv_tail = conv_prompt[len(conv_prompt) - m + 1:] if m > 1 else []
+        own_tail = own_prompt[len(own_prompt) - m + 1:] if m > 1 else []
+        if (not 1 <= t < n or len(own_prompt) != n or len(conv_prompt) not in (n, n - t)
+                or any(not d for d in conv_tail + own_tail)):
+            log.warning("shadow check of a %d-token prompt skipped: %d tokens loaded, %d / %d "
+                        "prompt logprob entries not as expected", n, t, len(conv_prompt),
+                        len(own_prompt))
+            return "", None
+        own_steps = [_as_floats(d) for d in own_tail] + [_as_floats(own.outputs[0].logprobs[0])]
+        conv_steps = [_as_floats(d) for d in conv_tail] + [
             _as_floats(conv.outputs[0].logprobs[0])]
         return found["adapter"], check_from_logprobs(own_steps, conv_steps, ids[n - m + 1:])
 
