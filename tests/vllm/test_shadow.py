@@ -137,6 +137,86 @@ def test_check_from_logprobs_identical_and_errors():
         shadow.check_from_logprobs([{}], [{1: 0.0}], [])
 
 
+def test_quality_options_pass_through_with_the_bridge_defaults():
+    from kvbridge.vllm import options
+
+    defaults = {n: d for n, _, d, _ in _core.Bridge.OPTIONS}
+    plain = options.parse_options({}, 32)
+    assert plain.quality == ()
+    for key in options.QUALITY_KEYS:
+        assert plain.option(key) == defaults[key]
+    given = options.parse_options({"min_agreement": 0.7, "check_window": 9, "min_checks": 3}, 32)
+    bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 16, 16), **given.bridge_options())
+    assert (bridge.min_agreement, bridge.check_window, bridge.min_checks) == (0.7, 9, 3)
+    assert given.option("min_quality") == 0.5
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"min_agreement": "0.9"}, "min_agreement must be a number"),
+    ({"min_checks": 2.5}, "min_checks must be a count"),
+    ({"min_agreement": 1.5}, "bad quality option"),
+    ({"check_window": 4, "min_checks": 5}, "bad quality option"),
+    ({"check_window": 0}, "bad quality option"),
+])
+def test_quality_options_rejected(extra, match):
+    from kvbridge.vllm import options
+
+    with pytest.raises(ValueError, match=match):
+        options.parse_options(extra, 32)
+
+
+def test_shadow_params_of_a_request():
+    from types import SimpleNamespace
+
+    from kvbridge.vllm.connector import SHADOW_KEY, KVBridgeConnector
+
+    def parse(params):
+        return KVBridgeConnector._shadow(None, SimpleNamespace(kv_transfer_params=params))
+
+    assert parse(None) == ("", None, 0)
+    assert parse({"namespace": "t"}) == ("", None, 0)
+    assert parse({SHADOW_KEY: {"role": "own"}}) == ("own", None, 0)
+    assert parse({SHADOW_KEY: {"role": "converted", "namespace": "t", "positions": 8}}) == (
+        "converted", "t", 8)
+    for bad in ({"role": "twin"}, {"role": "converted"}, "own",
+                {"role": "converted", "namespace": "t", "positions": 0},
+                {"role": "converted", "namespace": "t", "positions": True}):
+        with pytest.raises(ValueError, match=SHADOW_KEY):
+            parse({SHADOW_KEY: bad})
+
+
+def test_disabled_adapters_are_not_probed(tmp_path):
+    """The scheduler's probe skips an adapter the Bridge disabled, and sees it again once
+    re-enabled; loads report the adapter behind their tokens."""
+    from kvbridge.vllm import connector, options
+
+    shipped = kvbridge.LinearAdapter.load(str(ADAPTER))
+    shared = connector._Shared(options.parse_options({"adapters": [str(ADAPTER)]}, 32),
+                               shipped.target)
+    assert shared.usable_sources() == [shipped.source]
+    assert shared.bridge.disable_adapter(shipped)
+    assert shared.usable_sources() == []
+    assert shared.bridge.enable_adapter(shipped)
+    assert shared.usable_sources() == [shipped.source]
+    # hit_info: "" for the model's own KV
+    spec = shipped.target
+    gen = torch.Generator().manual_seed(3)
+    tokens = list(range(7, 7 + 40))
+    kv = tuple((torch.randn(1, spec.num_kv_heads, 32, spec.head_dim, generator=gen),
+                torch.randn(1, spec.num_kv_heads, 32, spec.head_dim, generator=gen))
+               for _ in range(spec.num_layers))
+    shared.bridge.save(spec, tokens[:32], kv)
+    from kvbridge.vllm import paged
+
+    layers = [paged.kv_views(torch.zeros(2, spec.num_kv_heads, 32, 2 * spec.head_dim), "cpu",
+                             spec.head_dim) for _ in range(spec.num_layers)]
+    info = {}
+    op = connector.LoadOp("r", tokens, "default", 0, 32, [1])
+    assert connector.load_into_blocks(shared.bridge, spec, layers, 32, op, info) == (32, False,
+                                                                                    set())
+    assert info == {"adapter": ""}
+
+
 # ----------------------------------------------------------------------------- one engine
 
 
