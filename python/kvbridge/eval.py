@@ -73,6 +73,7 @@ the projected ratio is an upper bound.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -166,13 +167,22 @@ def legacy_kv(cache) -> KVCache:
     return tuple((layer.keys, layer.values) for layer in cache.layers)
 
 
+def _cache_keyword(model) -> str:
+    """The keyword under which the installed transformers takes the KV cache: `cache` in newer
+    releases, `past_key_values` before. A model's forward also takes **kwargs, so passing the
+    wrong one is silently ignored (the forward would then run without the prefix)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 @torch.no_grad()
 def forward(model, ids: Sequence[int], past: Optional[KVCache] = None,
             logits_to_keep: int = 0) -> Tuple[torch.Tensor, KVCache]:
     """Logits [tokens, vocab] (float32) and the new legacy KV of `ids` after the cache `past`
     (positions continue from past's length). logits_to_keep=k keeps the last k positions only."""
     x = torch.as_tensor(list(ids), dtype=torch.long).view(1, -1)
-    out = model(x, cache=as_cache(past), use_cache=True, logits_to_keep=logits_to_keep)
+    past_kw = {_cache_keyword(model): as_cache(past)}
+    out = model(x, use_cache=True, logits_to_keep=logits_to_keep, **past_kw)
     cache = getattr(out, "cache", None) or out.past_key_values
     return out.logits[0].float(), legacy_kv(cache)
 

@@ -43,7 +43,7 @@ import torch
 
 from kvbridge import _args, _core
 from kvbridge._tensors import KVCache, check_kv
-from kvbridge.adapter import LinearAdapter
+from kvbridge.adapter import AdapterFitter, LinearAdapter
 from kvbridge.bridge import Bridge, Load
 
 log = logging.getLogger("kvbridge.monitor")
@@ -202,6 +202,30 @@ def require_quality(bridge: Bridge, adapter: LinearAdapter, source_model: Any,
     return check
 
 
+@torch.no_grad()
+def damaged_adapter(source_model: Any, target_model: Any, source_spec: _core.ModelSpec,
+                    target_spec: _core.ModelSpec, windows: Sequence[Sequence[int]],
+                    shift: int = 5) -> LinearAdapter:
+    """A deliberately damaged adapter, for testing the fallback: fitted in closed form on
+    mismatched pairs (each window's source KV against the target KV of the window `shift`
+    places further on, cyclically). It has the right specs, loads and converts, but its KV is
+    unrelated to the target's. windows: token-id lists of one length, at least 2 of them; shift:
+    1..len(windows) - 1."""
+    from kvbridge.eval import prefix_kv
+
+    wins = [[int(t) for t in w] for w in windows]
+    if len(wins) < 2 or len({len(w) for w in wins}) != 1:
+        raise _core.InvalidArgumentError(f"windows: expected at least 2 of one length, got "
+                                         f"lengths {sorted({len(w) for w in wins})}")
+    shift = _args.size("shift", shift)
+    if not 1 <= shift < len(wins):
+        raise _core.InvalidArgumentError(f"shift: expected 1..{len(wins) - 1}, got {shift}")
+    fitter = AdapterFitter(source_spec, target_spec)
+    for i, w in enumerate(wins):
+        fitter.add(prefix_kv(source_model, w), prefix_kv(target_model, wins[(i + shift) % len(wins)]))
+    return fitter.fit()
+
+
 class QualityMonitor:
     """Shadow checks on a sample of a Bridge's converted loads (see the module docstring).
 
@@ -302,4 +326,4 @@ class QualityMonitor:
 
 
 __all__: List[str] = ["AdapterQualityError", "Check", "QualityMonitor", "compare",
-                      "compare_logits", "probe_adapter", "require_quality", "sample_prompts"]
+                      "compare_logits", "damaged_adapter", "probe_adapter", "require_quality", "sample_prompts"]

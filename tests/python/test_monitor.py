@@ -28,12 +28,8 @@ def shipped(pair):
 def damaged(pair):
     """An adapter fitted on mismatched pairs (each source window against another window's target
     KV): it loads and converts, but its KV is unrelated to the target's."""
-    windows = ev.text_windows(pair, "train", 64, 12)
-    fitter = kvbridge.AdapterFitter(pair.source.spec, pair.target.spec)
-    for i, w in enumerate(windows):
-        other = windows[(i + 5) % len(windows)]
-        fitter.add(ev.prefix_kv(pair.source.model, w), ev.prefix_kv(pair.target.model, other))
-    return fitter.fit()
+    return monitor.damaged_adapter(pair.source.model, pair.target.model, pair.source.spec,
+                                   pair.target.spec, ev.text_windows(pair, "train", 64, 12))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ Enable it with::
     KVTransferConfig(kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.vllm",
                      kv_role="kv_both", kv_connector_extra_config={"disk_dir": ..., ...})
 
-(README "vLLM" lists the extra-config keys). Importing this package imports vLLM and refuses a
+(README "vLLM" lists the extra-config keys). ``ShadowChecks`` (kvbridge.vllm.shadow) samples
+converted loads, checks them against the model's own prefill and disables an adapter below the
+quality floor (README "Quality while serving"). Importing this package imports vLLM and refuses a
 vLLM release it was not tested with (``TESTED_VLLM_VERSIONS``).
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ _check_version(getattr(_vllm, "__version__", "unknown"))
 
 from kvbridge.vllm.connector import (COUNTERS, TIMERS, KVBridgeConnector,  # noqa: E402
                                      KVBridgeConnectorStats)
+from kvbridge.vllm.shadow import ShadowChecks, ShadowWorkerExtension  # noqa: E402
 
-__all__ = ["COUNTERS", "KVBridgeConnector", "KVBridgeConnectorStats", "TESTED_VLLM_VERSIONS",
-           "TIMERS"]
+__all__ = ["COUNTERS", "KVBridgeConnector", "KVBridgeConnectorStats", "ShadowChecks",
+           "ShadowWorkerExtension", "TESTED_VLLM_VERSIONS", "TIMERS"]

@@ -15,10 +15,21 @@ waits for, and hands the copy to a background thread that writes it to the store
 
 Within one process, the scheduler-side and worker-side instances share one store and Bridge
 (a registry keyed by the store options, adapters and Bridge options).
+
+Quality (kvbridge.vllm.shadow): a request whose ``kv_transfer_params`` hold
+``{"kvbridge_shadow": {"role": "own"}}`` is served by the model's own prefill (nothing is
+promised); one with ``{"kvbridge_shadow": {"role": "converted", "namespace": ns, "positions": p}}``
+loads from namespace `ns` at most its prompt's length minus `p` tokens. Neither is saved. A
+finished request that ran a load reports ``{"kvbridge": {"namespace", "start", "tokens_loaded",
+"converted", "adapter"}}`` in its output's kv_transfer_params (tokens [start, start +
+tokens_loaded) were loaded; adapter: the fingerprint behind converted or written-back tokens,
+"" for the model's own KV). Adapters the Bridge has disabled (its rolling shadow-check agreement fell
+below min_agreement) are not probed, so their loads fall back to the model's own prefill.
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import logging
 import queue
@@ -71,7 +82,17 @@ COUNTERS = (
     "save_errors",         # saves that raised (the request is unaffected)
     "requests_skipped",    # requests kvbridge cannot key (prompt embeds, multimodal, LoRA)
     "store_unavailable",   # 1 when the configured store could not be opened
+    "shadow_loads",        # loads of the converted twins of shadow checks
+    "shadow_checks",       # shadow checks recorded in the Bridge (kvbridge.vllm.shadow)
+    "shadow_disables",     # adapters a shadow check disabled
 )
+#: Key of a request's kv_transfer_params marking a shadow-check twin (module docstring).
+SHADOW_KEY = "kvbridge_shadow"
+#: Key of the load outcome in a finished request's kv_transfer_params.
+OUTCOME_KEY = "kvbridge"
+#: Load outcomes kept for the scheduler to report (a bound: with a worker in another process
+#: nothing collects them).
+_MAX_OUTCOMES = 4096
 TIMERS = ("lookup_seconds", "load_seconds", "save_copy_seconds", "save_seconds")
 
 
@@ -96,8 +117,7 @@ class _Shared:
                          "entries of other processes are misses", e)
             self.count("store_unavailable")
             self.store = KVStore(capacity, chunk)
-        self.bridge = Bridge(self.store, min_quality=options.min_quality,
-                             write_back=options.write_back)
+        self.bridge = Bridge(self.store, **options.bridge_options())
         self.adapters: List[LinearAdapter] = []
         for path in options.adapters:
             adapter = LinearAdapter.load(path)
@@ -109,9 +129,10 @@ class _Shared:
                               f"{_spec_fields(adapter.target)} != served {_spec_fields(spec)}")
             self.bridge.add_adapter(adapter)
             self.adapters.append(adapter)
-        # Sources the probe looks at: adapters the Bridge would use (quality gate).
-        self.sources = [a.source for a in self.adapters
-                        if Bridge.quality(a) >= options.min_quality]
+        # Adapters the probe may look at: those the Bridge would use (quality gate); of these,
+        # the ones the Bridge has disabled are skipped at each probe (usable_sources).
+        self.gated = [a for a in self.adapters if Bridge.quality(a) >= options.min_quality]
+        self.outcomes: "collections.OrderedDict[str, Dict[str, Any]]" = collections.OrderedDict()
         self._saves: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._saver = threading.Thread(target=self._save_loop, name="kvbridge-save",
                                        daemon=True)
@@ -121,6 +142,24 @@ class _Shared:
         with self.lock:
             self.totals[name] += value
             self.pending[name] += value
+
+    def usable_sources(self) -> List[_core.ModelSpec]:
+        """Source specs of the gated adapters the Bridge has not disabled."""
+        if not self.gated:
+            return []
+        enabled = {h["adapter"] for h in self.bridge.adapter_health() if h["enabled"]}
+        return [a.source for a in self.gated if a.fingerprint in enabled]
+
+    def put_outcome(self, req_id: str, outcome: Dict[str, Any]) -> None:
+        with self.lock:
+            self.outcomes[req_id] = outcome
+            self.outcomes.move_to_end(req_id)
+            while len(self.outcomes) > _MAX_OUTCOMES:
+                self.outcomes.popitem(last=False)
+
+    def pop_outcome(self, req_id: str) -> Optional[Dict[str, Any]]:
+        with self.lock:
+            return self.outcomes.pop(req_id, None)
 
     def take_pending(self) -> Dict[str, float]:
         with self.lock:
@@ -164,7 +203,7 @@ _REGISTRY_LOCK = threading.Lock()
 
 def _shared(options: ConnectorOptions, spec: _core.ModelSpec) -> _Shared:
     key = (options.store, options.adapters, options.min_quality, options.write_back,
-           spec.fingerprint)
+           options.quality, spec.fingerprint)
     with _REGISTRY_LOCK:
         found = _REGISTRY.get(key)
         if found is None:
@@ -188,6 +227,7 @@ class LoadOp:
     start: int
     stop: int
     block_ids: List[int]
+    shadow: bool = False  # the converted twin of a shadow check
 
 
 @dataclass
@@ -215,6 +255,8 @@ class _ReqState:
     external: int = 0     # tokens promised to vLLM
     block_ids: List[int] = field(default_factory=list)
     saved: bool = False
+    shadow: str = ""      # "own" / "converted" for a shadow-check twin (never saved)
+    cap: int = 0          # most tokens that may be promised
 
 
 @dataclasses.dataclass
@@ -268,14 +310,16 @@ def _layer_index(name: str) -> int:
 
 def load_into_blocks(bridge: Bridge, spec: _core.ModelSpec,
                      layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]], block_size: int,
-                     op: LoadOp) -> Tuple[int, bool, Set[int]]:
+                     op: LoadOp, hit_info: Optional[Dict[str, Any]] = None
+                     ) -> Tuple[int, bool, Set[int]]:
     """Loads op.tokens' prefix through `bridge` and writes tokens [op.start, op.stop) into
     op.block_ids of `layers` (one paged.kv_views pair per layer).
 
     Returns (tokens written, whether converted, ids of the blocks holding promised tokens that
     were not written: every block from the first missing token's to op.stop's). Never raises:
     a failing store, a corrupt entry, a failed conversion or a shorter prefix than promised
-    is a partial or empty load.
+    is a partial or empty load. hit_info, if given, receives the load's "adapter" fingerprint
+    (Load.adapter: set for converted tokens and for written-back ones, "" otherwise).
     """
     got, converted = 0, False
     try:
@@ -283,6 +327,8 @@ def load_into_blocks(bridge: Bridge, spec: _core.ModelSpec,
             raise RuntimeError("no KV caches registered")
         hit = bridge.load(spec, op.tokens, op.namespace)
         got, converted = min(hit.tokens, op.stop), hit.converted
+        if hit_info is not None:
+            hit_info["adapter"] = hit.adapter
         if got > op.start:
             for (keys, values), (k, v) in zip(layers, hit.kv):
                 paged.scatter(keys, values, op.block_ids, op.start, k[:, :, op.start:got],
@@ -380,7 +426,35 @@ class KVBridgeConnector(KVConnectorBase_V1):
             out: Dict[str, Any] = dict(self._shared.totals)
         out["bridge"] = self._shared.bridge.stats()
         out["store"] = self._shared.store.stats()
+        out["adapters"] = {h["adapter"]: h for h in self._shared.bridge.adapter_health()}
         return out
+
+    def record_checks(self, checks: List[Tuple[str, Any]]) -> List[str]:
+        """Records shadow checks, (adapter fingerprint, kvbridge.monitor.Check) pairs, in the
+        Bridge (which keeps the rolling figures and disables an adapter below the floor);
+        returns the fingerprints this call disabled. Checks of adapters no longer registered
+        are dropped."""
+        bridge = self._shared.bridge
+        disabled: List[str] = []
+        for fingerprint, check in checks:
+            try:
+                off = bridge.record_check(fingerprint, check)
+            except _core.NotFoundError:
+                logger.warning("kvbridge: shadow check of unregistered adapter %s dropped",
+                               fingerprint)
+                continue
+            self._shared.count("shadow_checks")
+            if off:
+                self._shared.count("shadow_disables")
+                disabled.append(fingerprint)
+                health = {h["adapter"]: h for h in bridge.adapter_health()}.get(fingerprint, {})
+                logger.warning(
+                    "kvbridge: adapter %s -> %s (%s) disabled by shadow checks: rolling "
+                    "agreement %.3f over %d checks is below min_agreement %s; its loads fall "
+                    "back to the model's own prefill", health.get("source", "?"),
+                    health.get("target", "?"), fingerprint, health.get("agreement", float("nan")),
+                    health.get("window_checks", 0), bridge.min_agreement)
+        return disabled
 
     def flush(self) -> None:
         """Waits until every save handed to the background thread is in the store."""
@@ -418,6 +492,26 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return None
         return list(request.prompt_token_ids)
 
+    def _shadow(self, request: "Request") -> Tuple[str, Optional[str], int]:
+        """(role, namespace, positions) of a shadow-check twin; ("", None, 0) otherwise."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        shadow = params.get(SHADOW_KEY)
+        if shadow is None:
+            return "", None, 0
+        if not isinstance(shadow, dict):
+            shadow = {}
+        role = shadow.get("role")
+        if role == "own":
+            return role, None, 0
+        ns, positions = shadow.get("namespace"), shadow.get("positions", 1)
+        if (role != "converted" or not isinstance(ns, str) or not ns
+                or not isinstance(positions, int) or isinstance(positions, bool)
+                or positions < 1):
+            raise InvalidArgumentError(f"KVBridgeConnector: bad {SHADOW_KEY} kv_transfer_params "
+                                       f"{shadow!r}: expected role 'own', or role 'converted' "
+                                       "with a namespace and positions >= 1")
+        return role, ns, positions
+
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> Tuple[int, bool]:
         state = self._reqs.get(request.request_id)
@@ -426,14 +520,19 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if tokens is None:
                 self._shared.count("requests_skipped")
                 return 0, False
+            role, shadow_ns, positions = self._shadow(request)
+            if role == "own":  # the model's own prefill: nothing promised, nothing saved
+                state = self._reqs[request.request_id] = _ReqState(tokens, "", 0, 0,
+                                                                   shadow=role)
+                return 0, False
             t0 = time.perf_counter()
-            ns = self._namespace(request)
+            ns = shadow_ns or self._namespace(request)
             store = self._shared.store
             native = best = 0
             if len(tokens) > 1:
                 native = store.match(self._spec, tokens, ns, return_kv=False).tokens
                 best = native
-                for source in self._shared.sources:
+                for source in self._shared.usable_sources():
                     best = max(best, store.match(source, tokens, ns, return_kv=False).tokens)
             self._shared.count("lookups")
             self._shared.count("lookup_seconds", time.perf_counter() - t0)
@@ -441,9 +540,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 self._shared.count("lookup_hits_converted")
             elif native:
                 self._shared.count("lookup_hits_native")
-            state = self._reqs[request.request_id] = _ReqState(tokens, ns, native, best)
-        # vLLM computes at least the last prompt token itself.
-        usable = min(state.best, len(state.tokens) - 1)
+            # vLLM computes at least the last prompt token itself; a converted twin leaves its
+            # last `positions` tokens to be computed over the loaded prefix.
+            cap = len(tokens) - max(1, positions)
+            state = self._reqs[request.request_id] = _ReqState(tokens, ns, native, best,
+                                                               shadow=role, cap=cap)
+        usable = min(state.best, state.cap)
         return max(0, usable - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -458,11 +560,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if state.external:
             stop = num_computed  # computed = vLLM's own prefix + the promised tokens
             meta.loads.append(LoadOp(req_id, state.tokens, state.namespace,
-                                     stop - state.external, stop, list(state.block_ids)))
+                                     stop - state.external, stop, list(state.block_ids),
+                                     shadow=bool(state.shadow)))
             state.external = 0
         save_len = len(state.tokens) // self._chunk * self._chunk
         have = state.best if self._options.write_back else state.native
-        if (not state.saved and save_len > have
+        if (not state.saved and not state.shadow and save_len > have
                 and num_computed + num_scheduled >= len(state.tokens)):
             nblocks = -(-save_len // self._block_size)
             meta.saves.append(SaveOp(req_id, state.tokens[:save_len], state.namespace,
@@ -495,8 +598,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        self._reqs.pop(request.request_id, None)
-        return False, None
+        state = self._reqs.pop(request.request_id, None)
+        outcome = self._shared.pop_outcome(request.request_id)
+        if state is None or outcome is None:
+            return False, None
+        return False, {OUTCOME_KEY: dict(outcome, namespace=state.namespace)}
 
     # ----- worker side --------------------------------------------------------------------
 
@@ -532,9 +638,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         """Runs one load (counted); returns the ids of the blocks it could not fill."""
         shared = self._shared
         t0 = time.perf_counter()
+        hit: Dict[str, Any] = {}
         loaded, converted, failed = load_into_blocks(shared.bridge, self._spec, self._layers,
-                                                     self._block_size, op)
+                                                     self._block_size, op, hit)
+        shared.put_outcome(op.req_id, {"start": op.start, "tokens_loaded": loaded,
+                                       "converted": converted,
+                                       "adapter": hit.get("adapter", "") if loaded else ""})
         shared.count("loads")
+        if op.shadow:
+            shared.count("shadow_loads")
         shared.count("load_seconds", time.perf_counter() - t0)
         if loaded:
             shared.count("tokens_loaded", loaded)
@@ -581,5 +693,5 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return failed
 
 
-__all__ = ["COUNTERS", "KVBridgeConnector", "KVBridgeConnectorMetadata",
+__all__ = ["COUNTERS", "KVBridgeConnector", "KVBridgeConnectorMetadata", "OUTCOME_KEY", "SHADOW_KEY",
            "KVBridgeConnectorStats", "LoadOp", "SaveOp", "TIMERS", "check_cpu_layout", "load_into_blocks"]

@@ -14,11 +14,18 @@ from kvbridge import _args, _core, specs
 from kvbridge._core import InvalidArgumentError
 
 #: Keys of the connector itself (every other key must be a StoreOptions field).
+#: The Bridge's quality-fallback options the connector passes through (kvbridge.monitor): an
+#: adapter whose rolling shadow-check agreement falls below min_agreement is disabled.
+QUALITY_KEYS = ("min_agreement", "check_window", "min_checks")
 CONNECTOR_KEYS = ("namespace", "adapters", "min_quality", "write_back", "model_name", "version",
-                  "tokenizer", "layout")
+                  "tokenizer", "layout") + QUALITY_KEYS
 #: Default memory tier of the connector's store.
 DEFAULT_CAPACITY_BYTES = 1 << 30
 _KV_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: (type, default) of each Bridge option, from the native table (the Bridge's own defaults).
+_BRIDGE_OPTIONS = {name: (kind, default) for name, kind, default, _ in _core.Bridge.OPTIONS}
+#: The argument check (kvbridge._args) for each Bridge option type, as kvbridge.Bridge's.
+_OPTION_CHECKS = {"float": _args.number, "bool": _args.flag, "int": _args.size}
 
 
 def _store_option_names() -> Tuple[str, ...]:
@@ -34,7 +41,9 @@ class ConnectorOptions:
         chunk_tokens to the engine's block size); namespace: default tenant namespace;
     adapters: adapter file paths (their target must be the served model); min_quality,
         write_back: the Bridge's options; model_name, version, tokenizer: override the derived
-        ModelSpec fields; layout: the paged layout ("cpu" / "split"; default by device).
+        ModelSpec fields; layout: the paged layout ("cpu" / "split"; default by device);
+    quality: QUALITY_KEYS given in the extra config, by name (the others keep the Bridge's
+        defaults, kvbridge.Bridge.OPTIONS); see bridge_options().
     """
 
     store: Tuple[Tuple[str, Any], ...]
@@ -47,6 +56,18 @@ class ConnectorOptions:
     tokenizer: Optional[str] = None
     layout: Optional[str] = None
     chunk_tokens: int = 0
+    quality: Tuple[Tuple[str, Any], ...] = ()
+
+    def bridge_options(self) -> Dict[str, Any]:
+        """The kvbridge.Bridge keyword options of this config (the Bridge's defaults for keys not
+        given)."""
+        out: Dict[str, Any] = {"min_quality": self.min_quality, "write_back": self.write_back}
+        out.update(self.quality)
+        return out
+
+    def option(self, name: str) -> Any:
+        """A Bridge option's configured value, or the Bridge's default."""
+        return self.bridge_options().get(name, _BRIDGE_OPTIONS[name][1])
 
 
 def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> ConnectorOptions:
@@ -108,12 +129,41 @@ def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> Connec
     except TypeError:
         raise InvalidArgumentError(f"KVBridgeConnector: write_back must be a bool, got "
                                    f"{write_back!r}") from None
+    quality: Dict[str, Any] = {}
+    for key in QUALITY_KEYS:
+        if key in extra:
+            kind = _BRIDGE_OPTIONS[key][0]
+            try:
+                quality[key] = _OPTION_CHECKS[kind](key, extra[key])
+            except TypeError:
+                raise InvalidArgumentError(f"KVBridgeConnector: {key} must be {_KIND_WORDS[kind]}, "
+                                           f"got {extra[key]!r}") from None
+    _check_quality(quality)
     return ConnectorOptions(
         store=tuple(sorted(store.items())), namespace=namespace,
         adapters=tuple(os.path.abspath(os.fspath(p)) for p in adapters),
         min_quality=min_quality, write_back=write_back,
         model_name=extra.get("model_name"), version=extra.get("version"),
-        tokenizer=extra.get("tokenizer"), layout=layout, chunk_tokens=int(store["chunk_tokens"]))
+        tokenizer=extra.get("tokenizer"), layout=layout, chunk_tokens=int(store["chunk_tokens"]),
+        quality=tuple(sorted(quality.items())))
+
+
+_KIND_WORDS = {"float": "a number", "int": "a count (int)", "bool": "a bool"}
+
+
+def _check_quality(quality: Mapping[str, Any]) -> None:
+    """Refuses a quality floor the Bridge would refuse, with the connector's error wording (a
+    throwaway Bridge over a tiny store checks the ranges, so they are stated once, in C++)."""
+    if not quality:
+        return
+    from kvbridge.bridge import Bridge
+    from kvbridge.store import KVStore
+
+    try:
+        Bridge(KVStore(1 << 16, 16), **quality)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"KVBridgeConnector: bad quality option(s) {dict(quality)}: {e}") \
+            from None
 
 
 def kv_dtype_name(model_dtype: Any, cache_dtype: str) -> str:
@@ -154,5 +204,5 @@ def engine_spec(hf_config: Any, model: str, tokenizer: Optional[str], served_nam
                                   version=version, tokenizer=tok)
 
 
-__all__ = ["CONNECTOR_KEYS", "ConnectorOptions", "DEFAULT_CAPACITY_BYTES", "engine_spec",
+__all__ = ["CONNECTOR_KEYS", "QUALITY_KEYS", "ConnectorOptions", "DEFAULT_CAPACITY_BYTES", "engine_spec",
            "kv_dtype_name", "parse_options"]
