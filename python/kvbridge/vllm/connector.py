@@ -51,7 +51,7 @@ from kvbridge import _core
 from kvbridge.adapter import LinearAdapter
 from kvbridge.bridge import Bridge
 from kvbridge.store import KVStore
-from kvbridge.vllm import paged
+from kvbridge.vllm import device_load, paged
 from kvbridge.vllm.options import ConnectorOptions, engine_spec, parse_options
 from kvbridge._core import InvalidArgumentError
 
@@ -325,7 +325,10 @@ def load_into_blocks(bridge: Bridge, spec: _core.ModelSpec,
     try:
         if layers is None:
             raise RuntimeError("no KV caches registered")
-        hit = bridge.load(spec, op.tokens, op.namespace)
+        if device_load.wants_device_load(layers):  # convert on the cache's device
+            hit = device_load.load(bridge, spec, op.tokens, op.namespace, layers[0][0].device)
+        else:
+            hit = bridge.load(spec, op.tokens, op.namespace)
         got, converted = min(hit.tokens, op.stop), hit.converted
         if hit_info is not None:
             hit_info["adapter"] = hit.adapter

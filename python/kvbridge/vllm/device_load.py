@@ -1,0 +1,139 @@
+"""Converted loads on the paged cache's device: the source model's KV goes to the device as
+stored and the adapter converts it there (on CUDA: kvbridge's CUDA convert), instead of
+``Bridge.load`` converting on the CPU and the connector copying the result over.
+
+`load` follows the Bridge's load policy (include/kvbridge/bridge.h) for the adapters a
+connector registers, which all share the served model's tokenizer:
+
+- candidates: the model's own cached prefix ``p_T`` and, for every registered adapter to
+  exactly this spec with the same non-empty tokenizer id, quality >= ``bridge.min_quality``
+  and enabled (``bridge.adapter_health()``), its source's cached prefix ``p_S``, cut to
+  ``n - 1 - recompute_tail`` when ``recompute_tail > 0``;
+- the longest wins; a converted one must be strictly longer than the native one; ties go to
+  the higher quality, then to the earlier registered adapter;
+- native tokens ``[0, p_T)`` are kept as stored, source tokens ``[p_T, p_S)`` are converted
+  with ``start_pos = p_T`` (the map is per token, so this equals the Bridge's result);
+- at most ``n - 1`` tokens are returned.
+
+What it does not do, and why: it does not write the converted prefix back. A write-back must
+record its provenance (the source's and the adapter's fingerprints) so that
+``invalidate_adapter`` and a disabled adapter can purge it, and the Python ``KVStore.put``
+takes no provenance (the C++ ``KVStore::put`` does). Until the binding takes one, a repeat of
+the prompt is converted again on the device (cheap there) rather than served as a native hit;
+stored entries stay exactly what ``Bridge.load`` would leave apart from the missing write-back.
+The Bridge's own counters (``converted_hits``, ``convert_seconds``) do not see these
+conversions; the connector's counters (``loads_converted``, ``load_seconds``) do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from kvbridge import _core
+from kvbridge.adapter import LinearAdapter
+from kvbridge.bridge import Bridge
+
+KVPairs = Tuple[Tuple[torch.Tensor, torch.Tensor], ...]
+
+
+@dataclass(frozen=True)
+class DeviceLoad:
+    """The result of `load`.
+
+    tokens: prompt tokens whose KV is in `kv` (0 on a miss, at most len(tokens) - 1).
+    kv: one (keys, values) pair per layer of the served model, ``[1, kv_heads, tokens,
+        head_dim]``, its dtype, on the requested device; None on a miss.
+    converted: True when tokens [native_tokens, tokens) were converted through an adapter.
+    native_tokens: how many of `tokens` came from the model's own entries.
+    source: name of the model whose cache served the last token ("" on a miss).
+    """
+
+    tokens: int
+    kv: Optional[KVPairs]
+    converted: bool
+    native_tokens: int
+    source: str
+
+
+def _candidates(bridge: Bridge, spec: _core.ModelSpec) -> List[Tuple[LinearAdapter, float]]:
+    """(adapter, quality) of every adapter the Bridge would consider for `spec`, in
+    registration order."""
+    enabled = {h["adapter"]: bool(h["enabled"]) for h in bridge.adapter_health()}
+    out = []
+    for adapter in bridge.adapters():
+        if adapter.target.fingerprint != spec.fingerprint:
+            continue
+        if not spec.tokenizer or adapter.source.tokenizer != spec.tokenizer:
+            continue  # across tokenizers the Bridge needs a registered tokenizer: none here
+        quality = Bridge.quality(adapter)
+        if not quality >= bridge.min_quality or not enabled.get(adapter.fingerprint, False):
+            continue
+        out.append((adapter, quality))
+    return out
+
+
+def _to(kv: Sequence[Tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> KVPairs:
+    return tuple((k.to(device), v.to(device)) for k, v in kv)
+
+
+def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace: str,
+         device: Union[str, torch.device]) -> DeviceLoad:
+    """The longest usable prefix of `tokens` for `spec` (see the module docstring), its KV on
+    `device`; a converted part is converted there. Raises what the store or the adapter
+    raises (the connector turns that into blocks to recompute)."""
+    device = torch.device(device)
+    store = bridge.store
+    n = len(tokens)
+    limit = n - 1  # the engine computes at least the last prompt token itself
+    if limit <= 0:
+        return DeviceLoad(0, None, False, 0, "")
+    native = store.match(spec, tokens, namespace)
+    native_len = min(native.tokens, limit)
+    tail = bridge.recompute_tail
+
+    def converted_end(source_len: int) -> int:
+        return min(source_len if tail == 0 else min(source_len, limit - tail), limit)
+
+    best: Optional[Tuple[LinearAdapter, float, int]] = None
+    if native_len < limit:
+        for adapter, quality in _candidates(bridge, spec):
+            length = converted_end(store.match(adapter.source, tokens, namespace,
+                                               return_kv=False).tokens)
+            if length <= native_len:
+                continue
+            if best is not None and (length < best[2] or (length == best[2] and
+                                                          quality <= best[1])):
+                continue
+            best = (adapter, quality, length)
+
+    if best is not None:
+        adapter = best[0]
+        # Read again with the KV: another process may have evicted part of it since the probe.
+        found = store.match(adapter.source, tokens, namespace, device=device)
+        end = converted_end(found.tokens)
+        if end > native_len:
+            source = [(k[:, :, native_len:end], v[:, :, native_len:end]) for k, v in found.kv]
+            converted = adapter.convert(source, start_pos=native_len, as_cache=False)
+            if native_len > 0:
+                head = _to(((k[:, :, :native_len], v[:, :, :native_len])
+                            for k, v in native.kv), device)
+                kv = tuple((torch.cat((hk, ck), dim=2), torch.cat((hv, cv), dim=2))
+                           for (hk, hv), (ck, cv) in zip(head, converted))
+            else:
+                kv = tuple(converted)
+            return DeviceLoad(end, kv, True, native_len, adapter.source.name)
+
+    if native_len == 0:
+        return DeviceLoad(0, None, False, 0, "")
+    kv = _to(((k[:, :, :native_len], v[:, :, :native_len]) for k, v in native.kv), device)
+    return DeviceLoad(native_len, kv, False, native_len, spec.name)
+
+
+def wants_device_load(layers: Optional[Sequence[Tuple[torch.Tensor, torch.Tensor]]]) -> bool:
+    """True when the paged cache is on a CUDA device (converted KV is then made there)."""
+    return bool(layers) and layers[0][0].device.type == "cuda"
+
+
+__all__ = ["DeviceLoad", "load", "wants_device_load"]
