@@ -1,6 +1,7 @@
 // The memory tier of KVStore: byte accounting and buffer recycling, payload allocation, the chunk
 // entries, the sharded index and eviction (kv_store.h describes the budget and its accounting).
-// Thread-safe: one lock per shard; entries are shared_ptrs, pinned while a Match holds them.
+// Thread-safe: one lock per shard (pin_prefix alone holds several at once, always taken in
+// ascending shard order); entries are shared_ptrs, pinned while a Match holds them.
 #pragma once
 
 #include <atomic>
