@@ -21,12 +21,13 @@ TTFT is the wall time of a one-prompt, one-token generate() (median over prompts
 warm-up).
 
 Cost when nothing is cached: two engine processes of testbed-b, connector off and connector on
-(disk tier, the shipped adapter, as B serves), both alive, driven alternately (off, on, on, off,
-...: the idle one waits on a pipe and uses no CPU), each run generating --gen-tokens for
---cost-prompts prompts in one batch under fresh cache salts (no hit in vLLM's prefix cache nor in
-the store; the connector probes, and saves every prompt). Per run: CPU seconds of generate()
-plus the wait for the background saves, per generated token; and generate()'s wall time (what a
-client sees; the saves are not waited for). Reported: the medians per mode and their ratios.
+(the shipped adapter, as B serves; disk tier, or memory only with --cost-store memory), both
+alive, driven alternately (off, on, on, off, ...: the idle one waits on a pipe and uses no CPU),
+each run generating --gen-tokens for --cost-prompts prompts in one batch under fresh cache salts
+(no hit in vLLM's prefix cache nor in the store; the connector probes, and saves every prompt).
+Per run: CPU seconds of generate() plus the wait for the background saves, per generated token;
+and generate()'s wall time (what a client sees; the saves are not waited for).
+Reported: the medians per mode and their ratios.
 """
 import argparse
 import json
@@ -144,7 +145,9 @@ def cost_role(role, args):
 
     extra = None
     if role == "cost-on":
-        extra = {"disk_dir": args.disk_dir + "-cost", "adapters": [str(ADAPTER)]}
+        extra = {"adapters": [str(ADAPTER)]}
+        if args.cost_store == "disk":
+            extra["disk_dir"] = args.disk_dir + "-cost"
     llm = testbed_llm("testbed-b", extra)
     conn = None
     if extra is not None:
@@ -215,7 +218,7 @@ class CostEngine:
 def _child_cmd(role, args, disk_dir):
     return [sys.executable, __file__, "--role", role, "--disk-dir", disk_dir,
             "--prompts", str(args.prompts), "--cost-prompts", str(args.cost_prompts),
-            "--gen-tokens", str(args.gen_tokens)]
+            "--gen-tokens", str(args.gen_tokens), "--cost-store", args.cost_store]
 
 
 def run_once(role, args, disk_dir):
@@ -256,8 +259,9 @@ def report_cost(args, runs, load_before, load_after):
     med = {m: {k: statistics.median(r[k] / r["generated"] if k == "cpu_s" else r[k]
                                     for r in runs[m]) for k in ("cpu_s", "wall_s")}
            for m in runs}
-    print(f"### Cost when nothing is cached: {args.cost_prompts} prompts, {args.gen_tokens} "
-          f"tokens each, one batch, {args.repeats} runs per mode alternated (load average "
+    print(f"### Cost when nothing is cached ({args.cost_store} store): {args.cost_prompts} "
+          f"prompts, {args.gen_tokens} tokens each, one batch, {args.repeats} runs per mode "
+          f"alternated (load average "
           f"{load_before} before, {load_after} after)\n")
     print("| connector | median CPU ms per generated token | runs (CPU ms per token) | "
           "median wall s | runs (wall s) |")
@@ -288,6 +292,8 @@ def main():
     ap.add_argument("--cost-prompts", type=int, default=24)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=9, help="cost runs per mode")
+    ap.add_argument("--cost-store", choices=("disk", "memory"), default="disk",
+                    help="the connector-on engine's store tiers in the cost runs")
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--role", help=argparse.SUPPRESS)
