@@ -244,3 +244,28 @@ def test_probe_refuses_adapters_across_tokenizers():
         bridge.add_adapter(adapter, source_model=cross.source.model,
                            target_model=cross.target.model)
     assert bridge.adapters() == []
+
+
+def test_forward_continues_a_cache(pair):
+    """eval.forward over a prefix cache gives the logits of the whole prompt's forward (the
+    cache reaches the model under the keyword the installed transformers takes)."""
+    model = pair.target.model
+    ids = pair.tokenizer.encode(testbed.texts("heldout")[5])[:37]
+    whole, _ = ev.forward(model, ids)
+    _, past = ev.forward(model, ids[:23])
+    tail, kv = ev.forward(model, ids[23:], past)
+    torch.testing.assert_close(tail, whole[23:], atol=1e-4, rtol=1e-4)
+    assert kv[0][0].shape[2] == len(ids)
+    none, _ = ev.forward(model, ids[23:])  # without the prefix the logits differ
+    assert (none - whole[23:]).abs().max() > 0.1
+
+
+def test_damaged_adapter_arguments(pair):
+    windows = ev.text_windows(pair, "train", 24, 3)
+    args = (pair.source.model, pair.target.model, pair.source.spec, pair.target.spec)
+    with pytest.raises(ValueError, match="at least 2 of one length"):
+        monitor.damaged_adapter(*args, windows[:1])
+    with pytest.raises(ValueError, match="at least 2 of one length"):
+        monitor.damaged_adapter(*args, [windows[0], windows[1][:10]])
+    with pytest.raises(ValueError, match="shift"):
+        monitor.damaged_adapter(*args, windows, shift=3)
