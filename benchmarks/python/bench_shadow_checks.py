@@ -4,7 +4,8 @@ pairs, from testbed-a's spec under another name), the Bridge's default floor, ev
 request checked. Prints per adapter the checks, rolling agreement, KL, loss gap, the check at
 which it was disabled, and the time of the users' batches and of their checks.
 
-    VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python benchmarks/python/bench_shadow_checks.py [--prompts 24]
+    VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python benchmarks/python/bench_shadow_checks.py \
+        [--prompts 24] [--logprobs -1]
 """
 import argparse
 import json
@@ -20,6 +21,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24, help="held-out prompts per adapter")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--positions", type=int, default=8)
+    ap.add_argument("--logprobs", type=int, default=-1,
+                    help="logprobs per position of the twins: -1 the whole vocabulary (exact "
+                         "KL), k a top-k list (KL a lower bound)")
     args = ap.parse_args()
 
     import tempfile
@@ -50,11 +54,12 @@ def main() -> None:
     for _, spec, ps in sets.values():
         for p in ps:
             conn.bridge.save(spec, p, ev.prefix_kv(pair.source.model, p))
-    sc = shadow.ShadowChecks(llm, sample_rate=1.0, seed=0, positions=args.positions)
+    sc = shadow.ShadowChecks(llm, sample_rate=1.0, seed=0, positions=args.positions,
+                             logprobs=args.logprobs)
     params = engines.greedy(8)
     result = {"options": {k: conn.bridge.__getattribute__(k)
                           for k in ("min_agreement", "check_window", "min_checks")},
-              "positions": args.positions, "adapters": {}}
+              "positions": args.positions, "logprobs": args.logprobs, "adapters": {}}
     for name, (adapter, _, ps) in sets.items():
         serve = check = 0.0
         converted = disabled_at = 0
