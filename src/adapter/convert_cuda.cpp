@@ -40,23 +40,19 @@
 #include "kvbridge/error.h"
 #include "kvbridge/kvbridge.h"
 #include "src/adapter/cublas.h"
+#include "src/adapter/cuda_device.h"
 #include "src/adapter/numeric.h"
 
 namespace kvbridge {
 namespace {
 
-constexpr int64_t kAlign = 256;  // bytes; cuBLAS and vector loads like aligned operands
-int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+using cuda::align_up;
+using cuda::device_alloc;
+using cuda::DeviceGuard;
+using cuda::DevicePtr;
+using cuda::QuietDeviceGuard;
+constexpr int64_t kAlign = cuda::kOperandAlignBytes;
 
-struct CudaFree {
-  void operator()(void* p) const noexcept { (void)cudaFree(p); }
-};
-using DevicePtr = std::unique_ptr<void, CudaFree>;
-DevicePtr device_alloc(int64_t bytes) {
-  void* p = nullptr;
-  KVB_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1))));
-  return DevicePtr(p);
-}
 struct EventDestroy {
   void operator()(cudaEvent_t e) const noexcept { (void)cudaEventDestroy(e); }
 };
@@ -71,41 +67,6 @@ struct HandleDestroy {
   }
 };
 using HandlePtr = std::unique_ptr<cuda::CublasContext, HandleDestroy>;
-
-// Makes `device` current for the calling thread and restores the previous one on scope exit.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) : device_(device) {
-    KVB_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device_) KVB_CUDA_CHECK(cudaSetDevice(device_));
-  }
-  ~DeviceGuard() {
-    if (previous_ != device_) (void)cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int device_;
-  int previous_ = -1;
-};
-
-// The same for teardown, where errors cannot be reported.
-class QuietDeviceGuard {
- public:
-  explicit QuietDeviceGuard(int device) noexcept {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    (void)cudaSetDevice(device);
-  }
-  ~QuietDeviceGuard() {
-    if (previous_ >= 0) (void)cudaSetDevice(previous_);
-  }
-  QuietDeviceGuard(const QuietDeviceGuard&) = delete;
-  QuietDeviceGuard& operator=(const QuietDeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 cudaDataType cuda_type(DType dtype) {
   switch (dtype) {

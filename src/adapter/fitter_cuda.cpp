@@ -18,47 +18,17 @@
 #include "kvbridge/error.h"
 #include "kvbridge/version.h"
 #include "src/adapter/cublas.h"
+#include "src/adapter/cuda_device.h"
 
 namespace kvbridge::detail {
 namespace {
 
-constexpr int64_t kAlignDoubles = 32;  // 256 bytes: cuBLAS likes aligned operands
-int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
-
-struct CudaFree {
-  void operator()(void* p) const noexcept { (void)cudaFree(p); }
-};
-using DevicePtr = std::unique_ptr<void, CudaFree>;
-DevicePtr device_alloc(int64_t bytes) {
-  void* p = nullptr;
-  KVB_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1))));
-  return DevicePtr(p);
-}
-
-// Makes `device` current for the calling thread and restores the previous one on scope exit;
-// `quiet` ignores failures (teardown, where they cannot be reported).
-class CurrentDevice {
- public:
-  CurrentDevice(int device, bool quiet = false) : device_(device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      (void)cudaGetLastError();
-      KVB_CHECK_AS(Unavailable, quiet, "CUDA: cannot query the current device");
-      previous_ = -1;
-    }
-    if (previous_ == device_) return;
-    const cudaError_t set = cudaSetDevice(device_);
-    if (!quiet) KVB_CUDA_CHECK(set);
-  }
-  ~CurrentDevice() {
-    if (previous_ >= 0 && previous_ != device_) (void)cudaSetDevice(previous_);
-  }
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
-
- private:
-  int device_;
-  int previous_ = -1;
-};
+using cuda::align_up;
+using cuda::device_alloc;
+using cuda::DeviceGuard;
+using cuda::DevicePtr;
+using cuda::QuietDeviceGuard;
+constexpr int64_t kAlignDoubles = cuda::kOperandAlignBytes / 8;
 
 void check_int(int64_t v, const char* what) {
   KVB_CHECK(v <= INT_MAX, "AdapterFitter (CUDA): " << what << " " << v
@@ -104,7 +74,7 @@ HostKVCopy fitter_copy_to_host(const KVView& view, const char* what) {
   KVB_CHECK(device >= 0 && device < devices,
             "AdapterFitter::add: " << what << " is on cuda:" << device << ", which does not exist ("
                                    << devices << " devices)");
-  CurrentDevice current(device);
+  DeviceGuard current(device);
   const int64_t es = static_cast<int64_t>(dtype_size(view.dtype()));
   const int64_t counts[3] = {view.tokens(), view.kv_heads(), view.head_dim()};
   // Every plane is checked before anything is copied, so a bad view costs no transfer.
@@ -158,7 +128,7 @@ class FitterDevice {
   int64_t staging_bytes = 0;
 
   ~FitterDevice() {
-    CurrentDevice current(device, /*quiet=*/true);
+    QuietDeviceGuard current(device);
     if (stream) (void)cudaStreamSynchronize(stream);
     if (handle)
       if (const cuda::Cublas* b = cuda::cublas_if_loaded()) (void)b->destroy(handle);
@@ -215,7 +185,7 @@ void FitterDeviceDeleter::operator()(FitterDevice* device) const noexcept { dele
 FitterDevicePtr fitter_device_create(int device,
                                      const std::vector<FitterAccumulator>& accumulators) {
   const cuda::Cublas& blas = cuda::cublas();
-  CurrentDevice current(device);
+  DeviceGuard current(device);
   FitterDevicePtr d(new FitterDevice);
   d->device = device;
   d->host = accumulators;
@@ -255,7 +225,7 @@ void fitter_device_reserve(FitterDevice& d, int64_t ldx, int64_t ldy, int64_t ro
   check_int(chunk, "rows per chunk");
   const int64_t need = 8 * (staging_x_elements(chunk, ldx) + chunk * ldy);
   if (d.staging_bytes >= need) return;
-  CurrentDevice current(d.device);
+  DeviceGuard current(d.device);
   d.staging.reset();  // every earlier use completed: accumulate waits for its stream
   d.staging_bytes = 0;
   d.staging = device_alloc(need);
@@ -267,7 +237,7 @@ void fitter_device_accumulate(FitterDevice& d, const double* x, int64_t ldx, con
   if (rows == 0 || products.empty()) return;
   fitter_device_reserve(d, ldx, ldy, rows);
   const cuda::Cublas& blas = cuda::cublas();
-  CurrentDevice current(d.device);
+  DeviceGuard current(d.device);
   // Rows go up in chunks that fit the staging; every product runs once per chunk its rows meet.
   const int64_t chunk = chunk_rows(ldx, ldy, rows);
   double* dx = static_cast<double*>(d.staging.get());
@@ -279,7 +249,7 @@ void fitter_device_accumulate(FitterDevice& d, const double* x, int64_t ldx, con
 }
 
 void fitter_device_download(const FitterDevice& d) {
-  CurrentDevice current(d.device);
+  DeviceGuard current(d.device);
   KVB_CUDA_CHECK(cudaStreamSynchronize(d.stream));
   const double* acc = static_cast<const double*>(d.accumulators.get());
   for (size_t i = 0; i < d.host.size(); ++i)

@@ -38,7 +38,8 @@ std::string parent_dir(const std::string& path) {
   return path.substr(0, slash);
 }
 
-// Moves past the first `done` bytes of the iovecs after a short writev.
+}  // namespace
+
 void skip_done(iovec*& iov, int& count, size_t done) {
   while (count > 0 && done >= iov->iov_len) {
     done -= iov->iov_len;
@@ -50,8 +51,6 @@ void skip_done(iovec*& iov, int& count, size_t done) {
     iov->iov_len -= done;
   }
 }
-
-}  // namespace
 
 std::string atomic_file_error(const char* what, const std::string& path, int err) {
   std::ostringstream s;

@@ -85,4 +85,8 @@ class AtomicFile {
 /// "Cannot <what> '<path>': <errno text>", for the throwing forms and callers' own messages.
 std::string atomic_file_error(const char* what, const std::string& path, int err);
 
+/// Moves `iov` / `count` past the first `done` bytes after a short readv or writev (the disk
+/// tier's reads use it too).
+void skip_done(iovec*& iov, int& count, size_t done);
+
 }  // namespace kvbridge::detail

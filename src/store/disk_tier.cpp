@@ -94,19 +94,6 @@ bool read_full(int fd, void* buf, size_t n) {
   return true;
 }
 
-// Moves past the first `done` bytes of the iovecs after a short readv / writev.
-void skip_done(iovec*& iov, int& count, size_t done) {
-  while (count > 0 && done >= iov->iov_len) {
-    done -= iov->iov_len;
-    ++iov;
-    --count;
-  }
-  if (count > 0) {
-    iov->iov_base = static_cast<char*>(iov->iov_base) + done;
-    iov->iov_len -= done;
-  }
-}
-
 // Reads exactly the iovecs' bytes; false on EOF (errno 0) or error.
 bool readv_full(int fd, iovec* iov, int count) {
   while (count > 0) {

@@ -19,34 +19,17 @@
 #include "kvbridge/kvbridge.h"
 #include "src/adapter/convert_cuda.h"
 #include "src/adapter/numeric.h"
+#include "tests/cuda/cuda_test_util.h"
 #include "tests/cuda/random_adapter.h"
 
 namespace kvbridge {
 namespace {
 
 using testing::make_random_adapter;
-
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-#define CUDA_OK(expr) cuda_ok((expr), #expr)
+using testing::spec;
 
 double tolerance(DType dtype) {
   return dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 4e-3;
-}
-
-ModelSpec spec(const char* name, int64_t layers, int64_t heads, int64_t dim, DType dtype,
-               double base, RopeStyle style, RopeScaling scaling = {}) {
-  ModelSpec s;
-  s.name = name;
-  s.num_layers = layers;
-  s.num_kv_heads = heads;
-  s.head_dim = dim;
-  s.dtype = dtype;
-  s.rope_base = base;
-  s.rope_style = style;
-  s.rope_scaling = scaling;
-  return s;
 }
 
 // How a plane's [tokens, heads, dim] elements sit in its buffer; `pad` unused elements per row.

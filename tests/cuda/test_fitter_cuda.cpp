@@ -22,27 +22,12 @@
 #include "kvbridge/kvbridge.h"
 #include "src/adapter/fitter_cuda.h"
 #include "src/core/dtype_convert.h"
+#include "tests/cuda/cuda_test_util.h"
 
 namespace kvbridge {
 namespace {
 
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-#define CUDA_OK(expr) cuda_ok((expr), #expr)
-
-ModelSpec spec(const char* name, int64_t layers, int64_t heads, int64_t dim, DType dtype,
-               double base, RopeStyle style) {
-  ModelSpec s;
-  s.name = name;
-  s.num_layers = layers;
-  s.num_kv_heads = heads;
-  s.head_dim = dim;
-  s.dtype = dtype;
-  s.rope_base = base;
-  s.rope_style = style;
-  return s;
-}
+using testing::spec;
 
 // A KV cache on the host in Hugging Face's padded layout: each plane [heads, tokens, dim + pad],
 // in its own buffer; the padding holds random bytes too.
