@@ -47,6 +47,7 @@ namespace kvbridge {
 namespace {
 
 using cuda::align_up;
+using cuda::check_device_pointers;
 using cuda::device_alloc;
 using cuda::DeviceGuard;
 using cuda::DevicePtr;
@@ -329,22 +330,6 @@ class WorkspaceLease {
   cudaStream_t stream_;
   std::unique_ptr<Workspace> ws_;
 };
-
-// A sanity check that each plane's base address is device (or managed) memory of `device`; it
-// cannot check the extent of the viewed elements.
-void check_device_pointers(const KVView& v, int device, const char* what) {
-  for (int64_t l = 0; l < v.num_layers(); ++l)
-    for (int kind = 0; kind < 2; ++kind) {
-      const void* p = v.plane(l, static_cast<KVView::Kind>(kind)).data;
-      cudaPointerAttributes attr{};
-      const bool known = cudaPointerGetAttributes(&attr, p) == cudaSuccess;
-      if (!known) (void)cudaGetLastError();  // clear the non-sticky error
-      KVB_CHECK(known && (attr.type == cudaMemoryTypeManaged ||
-                          (attr.type == cudaMemoryTypeDevice && attr.device == device)),
-                what << "[" << l << "][" << kind << "]: " << p
-                     << " is not device memory of cuda:" << device);
-    }
-}
 
 void check_int(int64_t v, const char* what) {
   KVB_CHECK(v <= INT_MAX, "CUDA convert: " << what << " " << v << " exceeds cuBLAS' int range");

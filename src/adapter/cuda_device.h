@@ -1,4 +1,5 @@
-// Device memory and current-device handles shared by the CUDA paths (convert, fitter).
+// Device memory, current-device handles and pointer checks shared by the CUDA paths (convert,
+// fitter).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,6 +9,8 @@
 #include <memory>
 
 #include "kernels/cuda_check.cuh"
+#include "kvbridge/error.h"
+#include "kvbridge/kv_view.h"
 
 namespace kvbridge::cuda {
 
@@ -63,5 +66,22 @@ class QuietDeviceGuard {
  private:
   int previous_ = -1;
 };
+
+/// A sanity check that each plane's base address is device (or managed) memory of `device`;
+/// it cannot check the extent of the viewed elements. Throws InvalidArgument naming
+/// `what`[layer][kind].
+inline void check_device_pointers(const KVView& v, int device, const char* what) {
+  for (int64_t l = 0; l < v.num_layers(); ++l)
+    for (int kind = 0; kind < 2; ++kind) {
+      const void* p = v.plane(l, static_cast<KVView::Kind>(kind)).data;
+      cudaPointerAttributes attr{};
+      const bool known = cudaPointerGetAttributes(&attr, p) == cudaSuccess;
+      if (!known) (void)cudaGetLastError();  // clear the non-sticky error
+      KVB_CHECK(known && (attr.type == cudaMemoryTypeManaged ||
+                          (attr.type == cudaMemoryTypeDevice && attr.device == device)),
+                what << "[" << l << "][" << kind << "]: " << p
+                     << " is not device memory of cuda:" << device);
+    }
+}
 
 }  // namespace kvbridge::cuda

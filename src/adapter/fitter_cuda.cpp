@@ -78,17 +78,7 @@ HostKVCopy fitter_copy_to_host(const KVView& view, const char* what) {
   const int64_t es = static_cast<int64_t>(dtype_size(view.dtype()));
   const int64_t counts[3] = {view.tokens(), view.kv_heads(), view.head_dim()};
   // Every plane is checked before anything is copied, so a bad view costs no transfer.
-  for (int64_t l = 0; l < view.num_layers(); ++l)
-    for (int kind = 0; kind < 2; ++kind) {
-      const void* p = view.plane(l, static_cast<KVView::Kind>(kind)).data;
-      cudaPointerAttributes attr{};
-      const bool known = cudaPointerGetAttributes(&attr, p) == cudaSuccess;
-      if (!known) (void)cudaGetLastError();  // clear the non-sticky error
-      KVB_CHECK(known && (attr.type == cudaMemoryTypeManaged ||
-                          (attr.type == cudaMemoryTypeDevice && attr.device == device)),
-                what << "[" << l << "][" << kind << "]: " << p
-                     << " is not device memory of cuda:" << device);
-    }
+  cuda::check_device_pointers(view, device, what);
   HostKVCopy out;
   out.bytes.reserve(static_cast<size_t>(2 * view.num_layers()));
   std::vector<KVPlane> planes;
