@@ -29,20 +29,15 @@ def main() -> None:
     import tempfile
 
     import kvbridge
-    from kvbridge import _core, monitor, testbed
+    from kvbridge import testbed
     from kvbridge import eval as ev
     from kvbridge.vllm import shadow
     from kvbridge.vllm import testbed as engines
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     pair = testbed.load_pair()
-    spec_a, spec_b = pair.source.spec, pair.target.spec
-    fields = {n: getattr(spec_a, n) for n, _, _ in _core.ModelSpec.FIELDS}
-    twin = _core.ModelSpec(**dict(fields, name="testbed-a-damaged"))
-    damaged = monitor.damaged_adapter(pair.source.model, pair.target.model, twin, spec_b,
-                                      ev.text_windows(pair, "train", 64, 12))
-    path = os.path.join(tempfile.mkdtemp(), "damaged.safetensors")
-    damaged.save(path)
+    spec_a = pair.source.spec
+    twin, damaged, path = engines.damaged_testbed_adapter(pair, tempfile.mkdtemp())
     shipped = kvbridge.LinearAdapter.load(str(engines.ADAPTER))
     llm = engines.testbed_llm("testbed-b", {"adapters": [str(engines.ADAPTER), path],
                                             "min_quality": float("-inf")},

@@ -240,12 +240,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shadow")
     pair = testbed.load_pair()
     spec_a, spec_b = pair.source.spec, pair.target.spec
-    fields = {name: getattr(spec_a, name) for name, _, _ in _core.ModelSpec.FIELDS}
-    twin_spec = _core.ModelSpec(**dict(fields, name="testbed-a-damaged"))
-    damaged = monitor.damaged_adapter(pair.source.model, pair.target.model, twin_spec, spec_b,
-                                      ev.text_windows(pair, "train", 64, 12))
-    damaged_path = tmp / "damaged.safetensors"
-    damaged.save(damaged_path)
+    twin_spec, damaged, damaged_path = engines.damaged_testbed_adapter(pair, tmp)
     shipped = kvbridge.LinearAdapter.load(str(ADAPTER))
 
     llm = engines.testbed_llm("testbed-b", {"adapters": [str(ADAPTER), str(damaged_path)],

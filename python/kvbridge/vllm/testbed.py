@@ -93,3 +93,23 @@ def heldout_prompts(count: int, min_tokens: int = 120, max_tokens: int = 200,
 
 __all__ = ["ADAPTER", "BLOCK_SIZE", "connector_config", "greedy", "heldout_prompts",
            "testbed_llm", "token_prompts", "ttft"]
+
+
+def damaged_testbed_adapter(pair: Any, directory: str):
+    """The shadow checks' damaged adapter (kvbridge.monitor.damaged_adapter on 12 training
+    windows of 64 tokens) from a twin of testbed-a's spec named ``testbed-a-damaged`` (so its
+    source KV is stored apart from the shipped adapter's) to testbed-b, saved under `directory`
+    as damaged.safetensors. pair: testbed.load_pair(). Returns (twin spec, adapter, path)."""
+    import os
+
+    from kvbridge import eval as ev
+    from kvbridge import monitor
+
+    spec_a = pair.source.spec
+    fields = {n: getattr(spec_a, n) for n, _, _ in _core.ModelSpec.FIELDS}
+    twin = _core.ModelSpec(**dict(fields, name="testbed-a-damaged"))
+    adapter = monitor.damaged_adapter(pair.source.model, pair.target.model, twin,
+                                      pair.target.spec, ev.text_windows(pair, "train", 64, 12))
+    path = os.path.join(str(directory), "damaged.safetensors")
+    adapter.save(path)
+    return twin, adapter, path
