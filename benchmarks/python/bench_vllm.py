@@ -16,7 +16,7 @@ TTFT (engines one after another, each its own process):
 3. testbed-b with the connector and the shipped adapter: TTFT of each prompt (converted load),
    and the connector's and the Bridge's counters split it into the scheduler's probe (store
    lookup: disk read, checksum, promotion to memory), the worker's Bridge.load (store lookup and
-   copy, conversion, the rest: write-back and the copy out) and the scatter into vLLM's blocks.
+   copy, conversion, the rest: the copy out to tensors; the connector's Bridge writes nothing back) and the scatter into vLLM's blocks.
 TTFT is the wall time of a one-prompt, one-token generate() (median over prompts, after a
 warm-up).
 
@@ -115,7 +115,7 @@ def ttft_role(role, args):
             "  Bridge.load": 1e3 * bridge_load.seconds / n,
             "    store lookup and copy (memory)": 1e3 * d["bridge_lookup_seconds"] / n,
             "    conversion": 1e3 * d["convert_seconds"] / n,
-            "    rest (write-back put, copy out to tensors)":
+            "    rest (copy out to tensors)":
                 1e3 * (bridge_load.seconds - d["bridge_lookup_seconds"]
                        - d["convert_seconds"]) / n,
             "  scatter into vLLM's blocks": 1e3 * scatter.seconds / n,

@@ -292,6 +292,10 @@ class Match {
 
   /// Where chunk `chunk` (0 <= chunk < chunks()) came from. Throws InvalidArgument otherwise.
   Provenance provenance(int64_t chunk) const;
+  /// The provenance of the first chunk that is not the model's own prefill (converted through
+  /// an adapter, or computed over such a prefix); empty when every chunk is the model's own.
+  /// KV computed after this prefix derives from it and should be stored with this provenance.
+  Provenance converted_provenance() const;
 
   /// Copies the matched prefix into `dst`, which must be a CPU view with the store entry's
   /// layers, kv_heads, head_dim and dtype, and exactly tokens() tokens.

@@ -21,10 +21,15 @@ class Match:
     kv: that prefix's KV cache (legacy tuple form, or a transformers DynamicCache when the lookup
         asked for one; fresh tensors the caller owns), or None on a miss or when the lookup asked
         for no KV.
+    converted_from, adapter: the fingerprints of the source model and the adapter behind the
+        first chunk that is not the model's own prefill (entries put with a provenance); ""
+        when every chunk is the model's own.
     """
 
     tokens: int
     kv: Optional[KVCache]
+    converted_from: str = ""
+    adapter: str = ""
 
 
 _TIER_BITS = {"memory": _core.MEMORY_TIER, "disk": _core.DISK_TIER, "redis": _core.REDIS_TIER}
@@ -111,22 +116,29 @@ class KVStore:
         return self._store.storage
 
     def put(self, spec: _core.ModelSpec, tokens: Any, kv: KVCache,
-            namespace: str = "default") -> int:
+            namespace: str = "default", *, converted_from: str = "", adapter: str = "") -> int:
         """Stores the whole chunks of `tokens` with their KV; returns the tokens now cached.
 
         kv: one (key, value) pair per layer, each [1, kv_heads, len(tokens), head_dim] of the
             spec's dtype, any strides, or a transformers DynamicCache holding them. Tensors on
             another device are copied to the CPU first.
+        converted_from, adapter: provenance of KV that is not `spec`'s own prefill (converted
+            through an adapter, or computed over a converted prefix): the source model's and
+            the adapter's fingerprints (Load.converted_from, Load.adapter), recorded with the
+            chunks this call creates so that invalidate_adapter(spec, adapter) removes them.
+            Both empty (the model's own KV) or both fingerprints; InvalidArgumentError otherwise.
         """
         ids = as_tokens(tokens)
         ns = _args.text("namespace", namespace)
+        origin = dict(converted_from=_args.text("converted_from", converted_from),
+                      adapter=_args.text("adapter", adapter))
         # A tuple of CPU tensors is read in place by the core; anything else (caches, device
         # tensors, bad input) takes the general path, which checks it and names what is wrong.
-        stored = self._store.put_kv(spec, ids, kv, ns)
+        stored = self._store.put_kv(spec, ids, kv, ns, **origin)
         if stored is not None:
             return stored
         keys, values = kv_views(host_kv(kv))
-        return self._store.put(spec, ids, keys, values, ns)
+        return self._store.put(spec, ids, keys, values, ns, **origin)
 
     def match(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default", *,
               return_kv: bool = True,
@@ -139,15 +151,19 @@ class KVStore:
         """
         ids = as_tokens(tokens)
         found = self._store.match(spec, ids, _args.text("namespace", namespace))
-        if found.tokens == 0 or not return_kv:
-            return Match(found.tokens, None)
+        if found.tokens == 0:
+            return Match(0, None)
+        converted_from, adapter = found.converted_provenance()
+        if not return_kv:
+            return Match(found.tokens, None, converted_from, adapter)
         kv = empty_kv(spec, found.tokens)
         if not found.copy_into(kv):  # always taken for empty_kv's CPU tensors
             keys, values = kv_views(kv)
             found.copy_to(keys, values)
         if device is not None and torch.device(device).type != "cpu":
             kv = tuple((k.to(device), v.to(device)) for k, v in kv)
-        return Match(found.tokens, legacy_to_cache(kv) if as_cache else kv)
+        return Match(found.tokens, legacy_to_cache(kv) if as_cache else kv, converted_from,
+                     adapter)
 
     def erase(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default",
               tiers: Iterable[str] = ("memory", "disk", "redis")) -> int:

@@ -398,6 +398,14 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Match>(m, "Match")
       .def_property_readonly("tokens", &Match::tokens)
       .def(
+          "converted_provenance",
+          [](const Match& match) {
+            const Provenance p = match.converted_provenance();
+            return py::make_tuple(p.source_fingerprint, p.adapter_fingerprint);
+          },
+          "(source fingerprint, adapter fingerprint) of the first chunk that is not the "
+          "model's own prefill; (\"\", \"\") when every chunk is.")
+      .def(
           "copy_to",
           [](const Match& match, const std::vector<TensorView>& keys,
              const std::vector<TensorView>& values) {
@@ -480,29 +488,35 @@ PYBIND11_MODULE(_core, m) {
           "put",
           [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,
              const std::vector<TensorView>& keys, const std::vector<TensorView>& values,
-             const std::string& ns) {
+             const std::string& ns, const std::string& converted_from,
+             const std::string& adapter) {
             const PyTokens ids(tokens);
             const TokenSpan span = ids.span();
             const KVView kv = KVView::from_hf_layers(keys, values);
+            const Provenance provenance{converted_from, adapter};
             py::gil_scoped_release release;
-            return store.put(spec, span, kv, ns);
+            return store.put(spec, span, kv, ns, provenance);
           },
           py::arg("spec"), py::arg("tokens"), py::arg("keys"), py::arg("values"),
-          py::arg("namespace"))
+          py::arg("namespace"), py::kw_only(), py::arg("converted_from") = "",
+          py::arg("adapter") = "")
       .def(
           "put_kv",
           [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,
-             const py::handle& kv, const std::string& ns) -> std::optional<int64_t> {
+             const py::handle& kv, const std::string& ns, const std::string& converted_from,
+             const std::string& adapter) -> std::optional<int64_t> {
             // kv is read first, as the general path checks it before the tokens.
             std::vector<TensorView> keys, values;
             if (!python::cpu_pair_views(kv, &keys, &values)) return std::nullopt;
             const PyTokens ids(tokens);
             const TokenSpan span = ids.span();
             const KVView view = KVView::from_hf_layers(keys, values);
+            const Provenance provenance{converted_from, adapter};
             py::gil_scoped_release release;
-            return store.put(spec, span, view, ns);
+            return store.put(spec, span, view, ns, provenance);
           },
-          py::arg("spec"), py::arg("tokens"), py::arg("kv"), py::arg("namespace"),
+          py::arg("spec"), py::arg("tokens"), py::arg("kv"), py::arg("namespace"), py::kw_only(),
+          py::arg("converted_from") = "", py::arg("adapter") = "",
           "put() of a legacy tuple of dense CPU tensors read in place; None (nothing done) for "
           "any other kv, which takes put(spec, tokens, keys, values, namespace) instead.")
       .def(

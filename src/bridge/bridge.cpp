@@ -399,14 +399,9 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
     out.source_ = spec.name;
     out.quality_ = std::numeric_limits<double>::quiet_NaN();
     // Entries an earlier conversion wrote back are native hits now; say where they came from.
-    for (int64_t c = 0; c < native.chunks(); ++c) {
-      const Provenance p = native.provenance(c);
-      if (p.converted()) {
-        out.converted_from_ = p.source_fingerprint;
-        out.adapter_ = p.adapter_fingerprint;
-        break;
-      }
-    }
+    const Provenance origin = native.converted_provenance();
+    out.converted_from_ = origin.source_fingerprint;
+    out.adapter_ = origin.adapter_fingerprint;
     out.native_ = std::move(native);
     m.native_hits.fetch_add(1, std::memory_order_relaxed);
     m.native_tokens.fetch_add(out.tokens_, std::memory_order_relaxed);

@@ -633,6 +633,13 @@ Provenance Match::provenance(int64_t chunk) const {
   return detail::from_entry_provenance(entries_[static_cast<size_t>(chunk)]->provenance);
 }
 
+Provenance Match::converted_provenance() const {
+  for (const auto& entry : entries_) {
+    if (entry->provenance.converted()) return detail::from_entry_provenance(entry->provenance);
+  }
+  return {};
+}
+
 void Match::copy_to(const KVView& dst) const {
   KVB_CHECK(dst.tokens() == tokens_,
             "dst holds " << dst.tokens() << " tokens but the match has " << tokens_);

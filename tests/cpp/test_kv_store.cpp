@@ -47,6 +47,29 @@ TEST(KVStore, PutThenMatchReturnsTheBytes) {
   }
 }
 
+TEST(KVStore, ConvertedProvenanceIsTheFirstConvertedChunks) {
+  const ModelSpec spec = testing::small_spec(DType::kFloat32, 2, 3, 8);
+  KVStore store(options(1 << 24));
+  const auto tokens = testing::random_tokens(4 * kChunk, 5);
+  const Provenance first{std::string(32, '1'), std::string(32, 'a')};
+  const Provenance second{std::string(32, '2'), std::string(32, 'b')};
+  HFKV kv(spec, 4 * kChunk, 2, 6);
+  const TokenSpan all(tokens);
+  store.put(spec, all.first(kChunk), kv.view().slice_tokens(0, kChunk));  // the model's own
+  EXPECT_FALSE(store.match(spec, all.first(kChunk)).converted_provenance().converted());
+  store.put(spec, all.first(3 * kChunk), kv.view().slice_tokens(0, 3 * kChunk), "default",
+            first);
+  store.put(spec, all, kv.view(), "default", second);
+  const Match m = store.match(spec, all);
+  ASSERT_EQ(m.chunks(), 4);
+  EXPECT_FALSE(m.provenance(0).converted());
+  EXPECT_EQ(m.provenance(3).adapter_fingerprint, second.adapter_fingerprint);
+  const Provenance p = m.converted_provenance();
+  EXPECT_EQ(p.source_fingerprint, first.source_fingerprint);
+  EXPECT_EQ(p.adapter_fingerprint, first.adapter_fingerprint);
+  EXPECT_FALSE(Match().converted_provenance().converted());
+}
+
 TEST(KVStore, OptionsHaveUpperBoundsAndPathsNoNul) {
   StoreOptions o = options(1 << 20);
   o.chunk_tokens = int64_t{1} << 62;

@@ -97,3 +97,32 @@ def test_threads(spec):
         t.join()
     assert errors == []
     assert store.stats()["hits"] > 0
+
+
+def test_put_with_provenance_is_purged_by_invalidate_adapter(spec):
+    """KV put with a provenance (converted_from, adapter) is reported by match and removed by
+    invalidate_adapter of that adapter; the model's own KV and chunks stored before keep theirs."""
+    store = kvbridge.KVStore(1 << 22, chunk_tokens=8)
+    source_fp, adapter_fp, other_fp = "1" * 32, "a" * 32, "b" * 32
+    tokens = list(range(40))
+    store.put(spec, tokens[:8], random_kv(spec, 8, 1))  # the model's own first chunk
+    assert store.put(spec, tokens[:24], random_kv(spec, 24, 2), converted_from=source_fp,
+                     adapter=adapter_fp) == 24
+    hit = store.match(spec, tokens)
+    assert (hit.tokens, hit.converted_from, hit.adapter) == (24, source_fp, adapter_fp)
+    assert store.match(spec, tokens, return_kv=False).adapter == adapter_fp
+    # the first chunk was stored before: it keeps its (own) provenance and its KV
+    head = store.match(spec, tokens[:8])
+    assert (head.converted_from, head.adapter) == ("", "")
+    assert torch.equal(head.kv[0][0], random_kv(spec, 8, 1)[0][0])
+    assert store.invalidate_adapter(spec, other_fp)["memory"] == 0
+    assert store.invalidate_adapter(spec, adapter_fp)["memory"] == 2
+    assert store.match(spec, tokens).tokens == 8
+    for bad in ({"converted_from": source_fp}, {"adapter": adapter_fp},
+                {"converted_from": "xyz", "adapter": adapter_fp}):
+        with pytest.raises(kvbridge.InvalidArgumentError, match="fingerprint"):
+            store.put(spec, tokens[:16], random_kv(spec, 16, 3), **bad)
+    with pytest.raises(TypeError, match="adapter"):
+        store.put(spec, tokens[:16], random_kv(spec, 16, 3), converted_from=source_fp,
+                  adapter=None)
+    assert store.match(spec, tokens).tokens == 8  # refused puts stored nothing

@@ -174,3 +174,38 @@ def test_prometheus_counters_follow_the_stats():
     assert registry.get_sample_value("vllm:kvbridge_tokens_loaded_total", labels) == 128
     assert registry.get_sample_value("vllm:kvbridge_loads_converted_total", labels) == 1
     assert registry.get_sample_value("vllm:kvbridge_load_errors_total", labels) == 0
+
+
+def test_background_saves_keep_provenance_and_respect_a_disable():
+    """The save thread stores KV derived from a conversion with its provenance (so the
+    adapter's purge removes it), and purges again a save whose adapter was disabled while it
+    was queued; the connector's Bridge itself never writes back."""
+    shipped = kvbridge.LinearAdapter.load(ADAPTER)
+    spec = shipped.target
+    shared = connector._Shared(options.parse_options({"adapters": [str(ADAPTER)]}, 32), spec)
+    assert shared.bridge.write_back is False
+    gen = torch.Generator().manual_seed(11)
+
+    def prompt_kv(n):
+        return tuple((torch.randn(1, spec.num_kv_heads, n, spec.head_dim, generator=gen),
+                      torch.randn(1, spec.num_kv_heads, n, spec.head_dim, generator=gen))
+                     for _ in range(spec.num_layers))
+
+    origin = (shipped.source.fingerprint, shipped.fingerprint)
+    derived, own = list(range(100, 164)), list(range(300, 364))
+    shared.submit_save(derived, prompt_kv(64), "t", origin)
+    shared.submit_save(own, prompt_kv(64), "t")
+    shared.flush()
+    hit = shared.store.match(spec, derived, "t", return_kv=False)
+    assert (hit.tokens, hit.converted_from, hit.adapter) == (64, *origin)
+    assert shared.store.match(spec, own, "t", return_kv=False).adapter == ""
+    # a disable purges the derived entries, not the model's own
+    assert shared.bridge.disable_adapter(shipped)
+    assert shared.store.match(spec, derived, "t").tokens == 0
+    assert shared.store.match(spec, own, "t").tokens == 64
+    # a save queued for the disabled adapter lands and is purged again at once
+    late = list(range(500, 564))
+    shared.submit_save(late, prompt_kv(64), "t", origin)
+    shared.flush()
+    assert shared.store.match(spec, late, "t").tokens == 0
+    assert shared.totals["saves_purged"] == 1 and shared.totals["save_errors"] == 0

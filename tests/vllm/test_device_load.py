@@ -55,7 +55,8 @@ def assert_same_load(got, want, atol=0.0):
     if want.tokens == 0:
         assert got.kv is None
         return
-    assert got.source == want.source
+    assert (got.source, got.converted_from, got.adapter) == \
+        (want.source, want.converted_from, want.adapter)
     assert len(got.kv) == len(want.kv)
     for (gk, gv), (wk, wv) in zip(got.kv, want.kv):
         assert gk.shape == wk.shape and gv.shape == wv.shape
@@ -99,6 +100,20 @@ def test_disabled_adapter_and_other_namespace(adapter):
     got = device_load.load(bridge, adapter.target, prompt, NS, "cpu")
     assert (got.tokens, got.converted) == (32, False)
     assert_same_load(got, bridge.load(adapter.target, prompt, NS))
+
+
+def test_native_hit_on_written_back_entries_reports_their_adapter(adapter):
+    """Entries put with the adapter's provenance are native hits that name the adapter, as in
+    Bridge.load; invalidate_adapter removes them."""
+    prompt = prompt_of(101)
+    bridge = make_bridge(adapter, prompt, 0, 0)
+    bridge.store.put(adapter.target, prompt[:64], random_kv(adapter.target, 64, 7), NS,
+                     converted_from=adapter.source.fingerprint, adapter=adapter.fingerprint)
+    got = device_load.load(bridge, adapter.target, prompt, NS, "cpu")
+    assert (got.tokens, got.converted, got.adapter) == (64, False, adapter.fingerprint)
+    assert_same_load(got, bridge.load(adapter.target, prompt, NS))
+    bridge.invalidate_adapter(adapter)
+    assert device_load.load(bridge, adapter.target, prompt, NS, "cpu").tokens == 0
 
 
 def test_other_targets_are_not_candidates(adapter):

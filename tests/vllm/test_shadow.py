@@ -193,11 +193,11 @@ def test_disabled_adapters_are_not_probed(tmp_path):
     shipped = kvbridge.LinearAdapter.load(str(ADAPTER))
     shared = connector._Shared(options.parse_options({"adapters": [str(ADAPTER)]}, 32),
                                shipped.target)
-    assert shared.usable_sources() == [shipped.source]
+    assert [a.fingerprint for a in shared.usable_adapters()] == [shipped.fingerprint]
     assert shared.bridge.disable_adapter(shipped)
-    assert shared.usable_sources() == []
+    assert shared.usable_adapters() == []
     assert shared.bridge.enable_adapter(shipped)
-    assert shared.usable_sources() == [shipped.source]
+    assert [a.fingerprint for a in shared.usable_adapters()] == [shipped.fingerprint]
     # hit_info: "" for the model's own KV
     spec = shipped.target
     gen = torch.Generator().manual_seed(3)
@@ -214,7 +214,7 @@ def test_disabled_adapters_are_not_probed(tmp_path):
     op = connector.LoadOp("r", tokens, "default", 0, 32, [1])
     assert connector.load_into_blocks(shared.bridge, spec, layers, 32, op, info) == (32, False,
                                                                                     set())
-    assert info == {"adapter": ""}
+    assert info == {"converted_from": "", "adapter": ""}
 
 
 # ----------------------------------------------------------------------------- one engine
@@ -261,6 +261,8 @@ def run(tmp_path_factory):
     sc = shadow.ShadowChecks(llm, sample_rate=1.0, seed=0, positions=POSITIONS)
     r["good_out"] = sc.generate(token_prompts(good), params, use_tqdm=False)
     r["after_good"] = sc.stats()
+    conn.flush()  # the user requests' saves, with the conversion's provenance
+    r["good_written"] = [conn.bridge.store.match(spec_b, p, return_kv=False) for p in good]
     # The same checks again, returned, against the Hugging Face model in float64 (below).
     r["good_checks"] = sc.check(r["good_out"][:3])
     r["hf_checks"] = []
@@ -322,8 +324,13 @@ def test_shipped_adapter_stays_enabled(run):
     c = s["connector"]
     assert c["shadow_checks"] == NUM_SHIPPED and c["shadow_loads"] == NUM_SHIPPED
     assert c["shadow_disables"] == 0
-    # the twins wrote nothing: saves are the user requests' only (write-back covers them)
-    assert c["saves"] == 0
+    # the twins wrote nothing: saves are the user requests' only, stored as derived from the
+    # shipped adapter (the connector's Bridge writes nothing back itself)
+    assert c["saves"] == NUM_SHIPPED and c["save_errors"] == 0
+    assert run["conn"].bridge.stats()["written_back_tokens"] == 0
+    for written in run["good_written"]:
+        assert written.tokens > 0 and written.adapter == run["shipped"].fingerprint
+        assert written.converted_from == run["shipped"].source.fingerprint
     assert _health(run["after_catch"], run["shipped"])["enabled"]
 
 

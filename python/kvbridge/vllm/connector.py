@@ -7,11 +7,16 @@ token). ``build_connector_meta`` turns promises into load operations and, once a
 prompt has been computed, its whole chunks into a save operation.
 
 Worker side: ``start_load_kv`` (before the forward) loads each promised prefix through
-``Bridge.load`` (native, or converted and written back) and writes the promised token range
-into the request's blocks; whatever it could not deliver is reported through
-``get_block_ids_with_load_errors`` so that vLLM recomputes it. ``wait_for_save`` (after the
-forward) copies each finished prompt's tokens out of the paged cache, the only work decode
-waits for, and hands the copy to a background thread that writes it to the store.
+``Bridge.load`` (native or converted; the connector's Bridge writes nothing back, so no store
+write runs inside the engine step) and writes the promised token range into the request's
+blocks; whatever it could not deliver is reported through ``get_block_ids_with_load_errors``
+so that vLLM recomputes it. ``wait_for_save`` (after the forward) copies each finished
+prompt's whole chunks out of the paged cache, the only work decode waits for, and hands the
+copy to a background thread that writes it to the store. A prompt whose load held KV that is
+not the model's own prefill (converted, or written back from a conversion) is saved with that
+load's provenance (source and adapter fingerprints), since everything computed over it derives
+from the adapter: ``invalidate_adapter`` and a disabled adapter purge it; with
+``write_back: false`` such a prompt is not saved at all.
 
 Within one process, the scheduler-side and worker-side instances share one store and Bridge
 (a registry keyed by the store options, adapters and Bridge options).
@@ -80,6 +85,8 @@ COUNTERS = (
     "saves",               # prompts handed to the store
     "tokens_saved",        # tokens the store took
     "save_errors",         # saves that raised (the request is unaffected)
+    "saves_skipped_derived",  # prompts over converted KV not saved (write_back off)
+    "saves_purged",        # saves purged again: their adapter was disabled meanwhile
     "requests_skipped",    # requests kvbridge cannot key (prompt embeds, multimodal, LoRA)
     "store_unavailable",   # 1 when the configured store could not be opened
     "shadow_loads",        # loads of the converted twins of shadow checks
@@ -117,7 +124,9 @@ class _Shared:
                          "entries of other processes are misses", e)
             self.count("store_unavailable")
             self.store = KVStore(capacity, chunk)
-        self.bridge = Bridge(self.store, **options.bridge_options())
+        # The Bridge never writes back: a converted prefix reaches the store with the request's
+        # save, in the background with its provenance, not synchronously inside the engine step.
+        self.bridge = Bridge(self.store, **dict(options.bridge_options(), write_back=False))
         self.adapters: List[LinearAdapter] = []
         for path in options.adapters:
             adapter = LinearAdapter.load(path)
@@ -130,7 +139,7 @@ class _Shared:
             self.bridge.add_adapter(adapter)
             self.adapters.append(adapter)
         # Adapters the probe may look at: those the Bridge would use (quality gate); of these,
-        # the ones the Bridge has disabled are skipped at each probe (usable_sources).
+        # the ones the Bridge has disabled are skipped at each probe (usable_adapters).
         self.gated = [a for a in self.adapters if Bridge.quality(a) >= options.min_quality]
         self.outcomes: "collections.OrderedDict[str, Dict[str, Any]]" = collections.OrderedDict()
         self._saves: "queue.Queue[Optional[tuple]]" = queue.Queue()
@@ -143,12 +152,12 @@ class _Shared:
             self.totals[name] += value
             self.pending[name] += value
 
-    def usable_sources(self) -> List[_core.ModelSpec]:
-        """Source specs of the gated adapters the Bridge has not disabled."""
+    def usable_adapters(self) -> List[LinearAdapter]:
+        """The gated adapters the Bridge has not disabled."""
         if not self.gated:
             return []
         enabled = {h["adapter"] for h in self.bridge.adapter_health() if h["enabled"]}
-        return [a.source for a in self.gated if a.fingerprint in enabled]
+        return [a for a in self.gated if a.fingerprint in enabled]
 
     def put_outcome(self, req_id: str, outcome: Dict[str, Any]) -> None:
         with self.lock:
@@ -168,20 +177,37 @@ class _Shared:
                 self.pending[k] = 0
         return out
 
-    def submit_save(self, tokens: List[int], kv: tuple, namespace: str) -> None:
-        self._saves.put((tokens, kv, namespace))
+    def submit_save(self, tokens: List[int], kv: tuple, namespace: str,
+                    origin: Tuple[str, str] = ("", "")) -> None:
+        """Queues a save; origin: (source, adapter) fingerprints of KV that derives from a
+        conversion, ("", "") for the model's own."""
+        self._saves.put((tokens, kv, namespace, origin))
 
     def flush(self) -> None:
         """Waits until every submitted save has been written."""
         self._saves.join()
 
+    def _enabled(self, adapter: str) -> bool:
+        """False only for an adapter this Bridge has registered and disabled."""
+        for health in self.bridge.adapter_health():
+            if health["adapter"] == adapter:
+                return bool(health["enabled"])
+        return True
+
     def _save_loop(self) -> None:
         while True:
             item = self._saves.get()
             try:
-                tokens, kv, namespace = item
+                tokens, kv, namespace, (converted_from, adapter) = item
                 t0 = time.perf_counter()
-                saved = self.bridge.save(self.spec, tokens, kv, namespace)
+                saved = self.store.put(self.spec, tokens, kv, namespace,
+                                       converted_from=converted_from, adapter=adapter)
+                if adapter and not self._enabled(adapter):
+                    # Disabled while queued or during the put: its purge may have run before
+                    # this put, so purge again (disable marks the adapter before it purges).
+                    self.store.invalidate_adapter(self.spec, adapter)
+                    self.count("saves_purged")
+                    saved = 0
                 self.count("save_seconds", time.perf_counter() - t0)
                 self.count("tokens_saved", saved)
             except Exception as e:  # a save never affects the request
@@ -238,6 +264,9 @@ class SaveOp:
     tokens: List[int]
     namespace: str
     block_ids: List[int]
+    # (source, adapter) fingerprints the probe saw behind the prompt's cached prefix (written-back
+    # entries, or the convertible source): the worker's load, if it ran one, knows better.
+    origin: Tuple[str, str] = ("", "")
 
 
 @dataclass
@@ -257,6 +286,7 @@ class _ReqState:
     saved: bool = False
     shadow: str = ""      # "own" / "converted" for a shadow-check twin (never saved)
     cap: int = 0          # most tokens that may be promised
+    origin: Tuple[str, str] = ("", "")  # provenance behind the cached prefix (probe)
 
 
 @dataclasses.dataclass
@@ -318,8 +348,9 @@ def load_into_blocks(bridge: Bridge, spec: _core.ModelSpec,
     Returns (tokens written, whether converted, ids of the blocks holding promised tokens that
     were not written: every block from the first missing token's to op.stop's). Never raises:
     a failing store, a corrupt entry, a failed conversion or a shorter prefix than promised
-    is a partial or empty load. hit_info, if given, receives the load's "adapter" fingerprint
-    (Load.adapter: set for converted tokens and for written-back ones, "" otherwise).
+    is a partial or empty load. hit_info, if given, receives the load's "converted_from" and
+    "adapter" fingerprints (Load's: set for converted tokens and for written-back ones, ""
+    otherwise).
     """
     got, converted = 0, False
     try:
@@ -331,7 +362,7 @@ def load_into_blocks(bridge: Bridge, spec: _core.ModelSpec,
             hit = bridge.load(spec, op.tokens, op.namespace)
         got, converted = min(hit.tokens, op.stop), hit.converted
         if hit_info is not None:
-            hit_info["adapter"] = hit.adapter
+            hit_info.update(converted_from=hit.converted_from, adapter=hit.adapter)
         if got > op.start:
             for (keys, values), (k, v) in zip(layers, hit.kv):
                 paged.scatter(keys, values, op.block_ids, op.start, k[:, :, op.start:got],
@@ -404,6 +435,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         # worker side
         self._layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
         self._failed_blocks: Set[int] = set()
+        # req_id -> (source, adapter) fingerprints of a load that held KV not the model's own;
+        # its save carries them. Bounded: a request may finish without a save.
+        self._derived: "collections.OrderedDict[str, Tuple[str, str]]" = collections.OrderedDict()
         logger.info("kvbridge: %s connector for %s (fingerprint %s), chunk %d tokens",
                     role.name.lower(), self._spec.name, self._spec.fingerprint, self._chunk)
 
@@ -532,11 +566,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
             ns = shadow_ns or self._namespace(request)
             store = self._shared.store
             native = best = 0
+            origin = ("", "")
             if len(tokens) > 1:
-                native = store.match(self._spec, tokens, ns, return_kv=False).tokens
-                best = native
-                for source in self._shared.usable_sources():
-                    best = max(best, store.match(source, tokens, ns, return_kv=False).tokens)
+                found = store.match(self._spec, tokens, ns, return_kv=False)
+                native = best = found.tokens
+                origin = (found.converted_from, found.adapter)
+                for adapter in self._shared.usable_adapters():
+                    length = store.match(adapter.source, tokens, ns, return_kv=False).tokens
+                    if length > best:
+                        best = length
+                        origin = (adapter.source.fingerprint, adapter.fingerprint)
             self._shared.count("lookups")
             self._shared.count("lookup_seconds", time.perf_counter() - t0)
             if best > native:
@@ -547,7 +586,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             # last `positions` tokens to be computed over the loaded prefix.
             cap = len(tokens) - max(1, positions)
             state = self._reqs[request.request_id] = _ReqState(tokens, ns, native, best,
-                                                               shadow=role, cap=cap)
+                                                               shadow=role, cap=cap,
+                                                               origin=origin)
         usable = min(state.best, state.cap)
         return max(0, usable - num_computed_tokens), False
 
@@ -567,12 +607,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                      shadow=bool(state.shadow)))
             state.external = 0
         save_len = len(state.tokens) // self._chunk * self._chunk
-        have = state.best if self._options.write_back else state.native
-        if (not state.saved and not state.shadow and save_len > have
+        if (not state.saved and not state.shadow and save_len > state.native
                 and num_computed + num_scheduled >= len(state.tokens)):
             nblocks = -(-save_len // self._block_size)
             meta.saves.append(SaveOp(req_id, state.tokens[:save_len], state.namespace,
-                                     state.block_ids[:nblocks]))
+                                     state.block_ids[:nblocks], state.origin))
             state.saved = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -651,6 +690,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if op.shadow:
             shared.count("shadow_loads")
         shared.count("load_seconds", time.perf_counter() - t0)
+        if loaded and hit.get("adapter") and not op.shadow:
+            self._derived[op.req_id] = (hit["converted_from"], hit["adapter"])
+            while len(self._derived) > _MAX_OUTCOMES:
+                self._derived.popitem(last=False)
         if loaded:
             shared.count("tokens_loaded", loaded)
             shared.count("loads_converted" if converted else "loads_native")
@@ -678,6 +721,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def save_op(self, op: SaveOp) -> None:
         """Copies a prompt out of the paged cache and queues it for the store."""
         shared = self._shared
+        # KV computed over converted KV derives from the adapter: saved with its provenance.
+        # The scheduler's origin also covers blocks vLLM's prefix cache served from an earlier
+        # converted request; erring towards a provenance costs at most an early purge.
+        origin = self._derived.pop(op.req_id, None) or op.origin
+        if origin[1] and not self._options.write_back:
+            shared.count("saves_skipped_derived")
+            return
         try:
             if self._layers is None:
                 raise RuntimeError("no KV caches registered")
@@ -686,7 +736,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                        for keys, values in self._layers)
             shared.count("save_copy_seconds", time.perf_counter() - t0)
             shared.count("saves")
-            shared.submit_save(op.tokens, kv, op.namespace)
+            shared.submit_save(op.tokens, kv, op.namespace, origin)
         except Exception as e:
             shared.count("save_errors")
             logger.warning("kvbridge: save of request %s failed: %s", op.req_id, e)

@@ -15,14 +15,11 @@ connector registers, which all share the served model's tokenizer:
   with ``start_pos = p_T`` (the map is per token, so this equals the Bridge's result);
 - at most ``n - 1`` tokens are returned.
 
-What it does not do, and why: it does not write the converted prefix back. A write-back must
-record its provenance (the source's and the adapter's fingerprints) so that
-``invalidate_adapter`` and a disabled adapter can purge it, and the Python ``KVStore.put``
-takes no provenance (the C++ ``KVStore::put`` does). Until the binding takes one, a repeat of
-the prompt is converted again on the device (cheap there) rather than served as a native hit;
-stored entries stay exactly what ``Bridge.load`` would leave apart from the missing write-back.
-The Bridge's own counters (``converted_hits``, ``convert_seconds``) do not see these
-conversions; the connector's counters (``loads_converted``, ``load_seconds``) do.
+It writes nothing back, like the connector's ``Bridge`` (built with ``write_back=False``): the
+connector saves the request's blocks afterwards, in the background, with the provenance this
+load reports (``converted_from``, ``adapter``). The Bridge's own counters (``converted_hits``,
+``convert_seconds``) do not see these conversions; the connector's counters
+(``loads_converted``, ``load_seconds``) do.
 """
 from __future__ import annotations
 
@@ -48,6 +45,9 @@ class DeviceLoad:
     converted: True when tokens [native_tokens, tokens) were converted through an adapter.
     native_tokens: how many of `tokens` came from the model's own entries.
     source: name of the model whose cache served the last token ("" on a miss).
+    converted_from, adapter: fingerprints of the source model and the adapter behind the tokens
+        that are not the model's own prefill (as Bridge.load's Load): the conversion's, or
+        those of written-back entries in a native hit; "" when every token is the model's own.
     """
 
     tokens: int
@@ -55,6 +55,8 @@ class DeviceLoad:
     converted: bool
     native_tokens: int
     source: str
+    converted_from: str = ""
+    adapter: str = ""
 
 
 def _candidates(bridge: Bridge, spec: _core.ModelSpec) -> List[Tuple[LinearAdapter, float]]:
@@ -123,12 +125,14 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
                            for (hk, hv), (ck, cv) in zip(head, converted))
             else:
                 kv = tuple(converted)
-            return DeviceLoad(end, kv, True, native_len, adapter.source.name)
+            return DeviceLoad(end, kv, True, native_len, adapter.source.name,
+                              adapter.source.fingerprint, adapter.fingerprint)
 
     if native_len == 0:
         return DeviceLoad(0, None, False, 0, "")
     kv = _to(((k[:, :, :native_len], v[:, :, :native_len]) for k, v in native.kv), device)
-    return DeviceLoad(native_len, kv, False, native_len, spec.name)
+    return DeviceLoad(native_len, kv, False, native_len, spec.name, native.converted_from,
+                      native.adapter)
 
 
 def wants_device_load(layers: Optional[Sequence[Tuple[torch.Tensor, torch.Tensor]]]) -> bool:
