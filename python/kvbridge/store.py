@@ -130,8 +130,10 @@ class KVStore:
         """
         ids = as_tokens(tokens)
         ns = _args.text("namespace", namespace)
-        origin = dict(converted_from=_args.text("converted_from", converted_from),
-                      adapter=_args.text("adapter", adapter))
+        origin = {}  # keyword arguments cost a small put measurably: passed only when given
+        if converted_from != "" or adapter != "":
+            origin = dict(converted_from=_args.text("converted_from", converted_from),
+                          adapter=_args.text("adapter", adapter))
         # A tuple of CPU tensors is read in place by the core; anything else (caches, device
         # tensors, bad input) takes the general path, which checks it and names what is wrong.
         stored = self._store.put_kv(spec, ids, kv, ns, **origin)
