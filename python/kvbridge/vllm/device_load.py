@@ -12,8 +12,11 @@ connector registers, which all share the served model's tokenizer:
 - the longest wins; a converted one must be strictly longer than the native one; ties go to
   the higher quality, then to the earlier registered adapter;
 - native tokens ``[0, p_T)`` are kept as stored, source tokens ``[p_T, p_S)`` are converted
-  with ``start_pos = p_T`` (the map is per token, so this equals the Bridge's result);
-- at most ``n - 1`` tokens are returned.
+  with ``start_pos = p_T``;
+- at most ``n - 1`` tokens are returned. Like the Bridge, a whole cached prompt is converted
+  to ``p_S = n`` and then cut: the map is per token, but a GEMM's rounding depends on how many
+  rows it is given (Eigen's row blocking), so converting ``n - 1`` rows would differ from
+  ``Bridge.load`` in the last bits of the last rows.
 
 It writes nothing back, like the connector's ``Bridge`` (built with ``write_back=False``): the
 connector saves the request's blocks afterwards, in the background, with the provenance this
@@ -95,8 +98,11 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
     native_len = min(native.tokens, limit)
     tail = bridge.recompute_tail
 
-    def converted_end(source_len: int) -> int:
-        return min(source_len if tail == 0 else min(source_len, limit - tail), limit)
+    def converted_rows(source_len: int) -> int:  # the source prefix the Bridge converts
+        return source_len if tail == 0 else min(source_len, limit - tail)
+
+    def converted_end(source_len: int) -> int:  # the tokens of it a load returns
+        return min(converted_rows(source_len), limit)
 
     best: Optional[Tuple[LinearAdapter, float, int]] = None
     if native_len < limit:
@@ -114,10 +120,15 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
         adapter = best[0]
         # Read again with the KV: another process may have evicted part of it since the probe.
         found = store.match(adapter.source, tokens, namespace, device=device)
-        end = converted_end(found.tokens)
+        converted_len = converted_rows(found.tokens)
+        end = min(converted_len, limit)
         if end > native_len:
-            source = [(k[:, :, native_len:end], v[:, :, native_len:end]) for k, v in found.kv]
+            source = [(k[:, :, native_len:converted_len], v[:, :, native_len:converted_len])
+                      for k, v in found.kv]
             converted = adapter.convert(source, start_pos=native_len, as_cache=False)
+            if converted_len > end:
+                converted = [(k[:, :, :end - native_len], v[:, :, :end - native_len])
+                             for k, v in converted]
             if native_len > 0:
                 head = _to(((k[:, :, :native_len], v[:, :, :native_len])
                             for k, v in native.kv), device)
