@@ -21,8 +21,9 @@ TTFT is the wall time of a one-prompt, one-token generate() (median over prompts
 warm-up).
 
 Cost when nothing is cached: two engine processes of testbed-b, connector off and connector on
-(the shipped adapter, as B serves; disk tier, or memory only with --cost-store memory), both
-alive, driven alternately (off, on, on, off, ...: the idle one waits on a pipe and uses no CPU),
+(the shipped adapter, as B serves; disk tier, or memory only with --cost-store memory; or,
+with --cost-store noop, a connector that does nothing, noop_connector.py, which measures what
+vLLM's own connector plumbing costs per step), both alive, driven alternately (off, on, on, off, ...: the idle one waits on a pipe and uses no CPU),
 each run generating --gen-tokens for --cost-prompts prompts in one batch under fresh cache salts
 (no hit in vLLM's prefix cache nor in the store; the connector probes, and saves every prompt).
 Per run: CPU seconds of generate() plus the wait for the background saves, per generated token;
@@ -143,12 +144,19 @@ def cost_role(role, args):
     from kvbridge.vllm.testbed import (ADAPTER, greedy, heldout_prompts, testbed_llm,
                                        token_prompts)
 
-    extra = None
-    if role == "cost-on":
+    extra, kwargs = None, {}
+    if role == "cost-on" and args.cost_store == "noop":
+        from vllm.config import KVTransferConfig
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector", kv_connector_module_path="noop_connector",
+            kv_role="kv_both")
+    elif role == "cost-on":
         extra = {"adapters": [str(ADAPTER)]}
         if args.cost_store == "disk":
             extra["disk_dir"] = args.disk_dir + "-cost"
-    llm = testbed_llm("testbed-b", extra)
+    llm = testbed_llm("testbed-b", extra, **kwargs)
     conn = None
     if extra is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -259,7 +267,8 @@ def report_cost(args, runs, load_before, load_after):
     med = {m: {k: statistics.median(r[k] / r["generated"] if k == "cpu_s" else r[k]
                                     for r in runs[m]) for k in ("cpu_s", "wall_s")}
            for m in runs}
-    print(f"### Cost when nothing is cached ({args.cost_store} store): {args.cost_prompts} "
+    peer = "a no-op connector" if args.cost_store == "noop" else f"{args.cost_store} store"
+    print(f"### Cost when nothing is cached ({peer}): {args.cost_prompts} "
           f"prompts, {args.gen_tokens} tokens each, one batch, {args.repeats} runs per mode "
           f"alternated (load average "
           f"{load_before} before, {load_after} after)\n")
@@ -278,7 +287,9 @@ def report_cost(args, runs, load_before, load_after):
     print(f"\nRatio on / off: CPU per token {med['on']['cpu_s'] / med['off']['cpu_s']:.3f}, "
           f"wall {med['on']['wall_s'] / med['off']['wall_s']:.3f}. Run i on / run i off, CPU "
           f"per token: {pairs}")
-    conn = [r["connector_s"] for r in runs["on"]]
+    conn = [r["connector_s"] for r in runs["on"] if "connector_s" in r]
+    if not conn:  # the no-op peer has no timers
+        return
     per_run = {k: 1e3 * statistics.median(c[k] for c in conn) for k in conn[0]}
     gen = statistics.median(r["generated"] for r in runs["on"])
     print(f"\nConnector timers, median ms per run ({gen:.0f} generated tokens, "
@@ -292,8 +303,10 @@ def main():
     ap.add_argument("--cost-prompts", type=int, default=24)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=9, help="cost runs per mode")
-    ap.add_argument("--cost-store", choices=("disk", "memory"), default="disk",
-                    help="the connector-on engine's store tiers in the cost runs")
+    ap.add_argument("--cost-store", choices=("disk", "memory", "noop"), default="disk",
+                    help="the connector-on engine's store tiers in the cost runs; noop: a "
+                         "connector that does nothing (noop_connector.py) instead of kvbridge's, "
+                         "to measure vLLM's own per-step connector cost")
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--role", help=argparse.SUPPRESS)
