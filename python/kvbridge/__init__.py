@@ -3,6 +3,10 @@
 KV caches are Hugging Face's legacy form: a tuple with one ``(key, value)`` pair per layer, each a
 torch tensor ``[batch, kv_heads, tokens, head_dim]`` (batch 1 for the store).
 """
+from kvbridge import _openblas
+
+_openblas.set_default_core_type()  # before _core loads the system OpenBLAS
+
 from kvbridge._core import (
     CorruptError,
     Error,

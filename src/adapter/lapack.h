@@ -3,7 +3,9 @@
 // Backed by the system BLAS/LAPACK found at configure time (OpenBLAS on Debian: blocked, AVX-512
 // kernels, OpenMP threads). Called from inside an OpenMP parallel region, the OpenMP build of
 // OpenBLAS runs single-threaded, so callers parallelise either across independent calls or
-// inside one large call, never both.
+// inside one large call, never both. OpenBLAS picks its kernels when it loads: where it takes the
+// CPU for a Prescott (Debian's 0.3.21 does so for CPUs newer than itself) these run several times
+// slower, so python/kvbridge/_openblas.py sets OPENBLAS_CORETYPE before the library loads.
 #pragma once
 
 #include <cstdint>
