@@ -41,8 +41,9 @@ class ConnectorOptions:
         chunk_tokens to the engine's block size); namespace: default tenant namespace;
     adapters: adapter file paths (their target must be the served model); min_quality: the
         Bridge's; write_back: save prompts whose KV derives from a conversion (with its
-        provenance; the connector's Bridge itself never writes back); model_name, version, tokenizer: override the derived
-        ModelSpec fields; layout: the paged layout ("cpu" / "split"; default by device);
+        provenance, from the background thread: the connector's Bridge itself never writes
+        back); model_name, version, tokenizer: override the derived ModelSpec fields; layout:
+        the paged layout ("cpu" / "split"; default by device);
     quality: QUALITY_KEYS given in the extra config, by name (the others keep the Bridge's
         defaults, kvbridge.Bridge.OPTIONS); see bridge_options().
     """
