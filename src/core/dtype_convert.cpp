@@ -8,21 +8,6 @@
 
 namespace kvbridge::detail {
 
-float bf16_to_float(uint16_t bits) noexcept {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint16_t float_to_bf16(float value) noexcept {
-  uint32_t u;
-  std::memcpy(&u, &value, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 float fp16_to_float(uint16_t h) noexcept {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
@@ -70,7 +55,11 @@ void gather(const KVPlane& p, int64_t es, int64_t tokens, int64_t heads, int64_t
       const int64_t token = rows ? rows[t] : t;
       const char* row = base + (token * p.token_stride + h * p.head_stride) * es;
       float* o = out + t * ld + h * dim;
-      for (int64_t d = 0; d < dim; ++d) o[d] = load(row + d * p.dim_stride * es);
+      if (p.dim_stride == 1) {  // the usual layout: a loop the compiler vectorizes
+        for (int64_t d = 0; d < dim; ++d) o[d] = load(row + d * es);
+      } else {
+        for (int64_t d = 0; d < dim; ++d) o[d] = load(row + d * p.dim_stride * es);
+      }
     }
 }
 
@@ -83,7 +72,11 @@ void scatter(const float* in, int64_t ld, int64_t es, int64_t tokens, int64_t he
     for (int64_t h = 0; h < heads; ++h) {
       char* row = base + (t * p.token_stride + h * p.head_stride) * es;
       const float* i = in + t * ld + h * dim;
-      for (int64_t d = 0; d < dim; ++d) store(row + d * p.dim_stride * es, i[d]);
+      if (p.dim_stride == 1) {
+        for (int64_t d = 0; d < dim; ++d) store(row + d * es, i[d]);
+      } else {
+        for (int64_t d = 0; d < dim; ++d) store(row + d * p.dim_stride * es, i[d]);
+      }
     }
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "kvbridge/dtype.h"
 #include "kvbridge/kv_view.h"
@@ -12,8 +13,21 @@ namespace kvbridge::detail {
 /// Below this many elements a pass over a plane is too short to be worth waking threads.
 constexpr int64_t kParallelElements = int64_t{1} << 16;
 
-float bf16_to_float(uint16_t bits) noexcept;
-uint16_t float_to_bf16(float value) noexcept;  // round to nearest even, NaN stays NaN
+// Inline: the plane passes call these once per element, and inlined they vectorize.
+inline float bf16_to_float(uint16_t bits) noexcept {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+/// Rounds to nearest even; NaN stays NaN.
+inline uint16_t float_to_bf16(float value) noexcept {
+  uint32_t u;
+  std::memcpy(&u, &value, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
 float fp16_to_float(uint16_t bits) noexcept;
 uint16_t float_to_fp16(float value) noexcept;  // round to nearest even, overflow to inf
 
