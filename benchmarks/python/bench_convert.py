@@ -5,8 +5,9 @@ The adapter maps a (layers x 8 KV heads x 128) source to a target of the same sh
 layer drawing on one source layer (features 2 * 8 * 128 = 2048, outputs 1024 per map), with
 random weights written straight into an adapter file, so no fit is timed. kvbridge's convert
 does the whole job (un-rotate, GEMMs, bias, rotate, cast, layout); the peer does only the GEMMs
-(torch.matmul on float32 matrices already in place) with torch.set_num_threads equal to the
-OpenMP threads kvbridge uses. GFLOP/s count the GEMM FLOPs only (2 * tokens * features * outputs
+(torch.matmul on matrices already in place, in the cache's dtype: a bfloat16 convert runs its
+GEMMs in bfloat16 on AMX where the CPU has it, as torch does) with torch.set_num_threads equal to
+the OpenMP threads kvbridge uses. GFLOP/s count the GEMM FLOPs only (2 * tokens * features * outputs
 per map), so the ratio is the share of the peer's GEMM speed that the full conversion keeps.
 
 Also prints a FLOP-based estimate of convert against prefill for Llama-3-8B-shaped pairs.
@@ -90,10 +91,11 @@ def main():
                 kv = tuple((torch.randn(1, HEADS, tokens, HEAD_DIM, generator=g).to(getattr(torch, dtype)),
                             torch.randn(1, HEADS, tokens, HEAD_DIM, generator=g).to(getattr(torch, dtype)))
                            for _ in range(args.layers))
-                x = torch.randn(tokens, f, generator=g)
+                x = torch.randn(tokens, f, generator=g).to(getattr(torch, dtype))
+                weights_dt = [w.to(getattr(torch, dtype)) for w in weights]
                 flops = 2.0 * tokens * f * o * 2 * args.layers
                 t_conv = best_of(lambda: adapter.convert(kv, start_pos=100), args.repeats)
-                t_gemm = best_of(lambda: [torch.matmul(x, w) for w in weights], args.repeats)
+                t_gemm = best_of(lambda: [torch.matmul(x, w) for w in weights_dt], args.repeats)
                 ours, peer = flops / t_conv / 1e9, flops / t_gemm / 1e9
                 print(f"| {dtype} | {tokens} | {ours:.1f} | {peer:.1f} | {ours / peer:.0%} | "
                       f"{'yes' if ours / peer >= 0.8 else '**no**'} |")

@@ -2,8 +2,10 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "kvbridge/error.h"
+#include "src/core/dtype_convert.h"
 
 namespace kvbridge::detail {
 
@@ -59,10 +61,15 @@ const Kernel* find_kernel(const char* name) {
   return nullptr;
 }
 
+// KVBRIDGE_CPU_ISA, unset or empty: no cap. "amx" caps nothing either: it is the widest.
+bool uncapped(const char* cap) {
+  return cap == nullptr || *cap == '\0' || std::strcmp(cap, "amx") == 0;
+}
+
 const Kernel& chosen_kernel() {
   static const Kernel& chosen = [&]() -> const Kernel& {
     const char* cap = std::getenv("KVBRIDGE_CPU_ISA");
-    bool allowed = cap == nullptr || *cap == '\0';
+    bool allowed = uncapped(cap);
     for (const Kernel& k : kKernels) {
       allowed = allowed || std::strcmp(k.name, cap) == 0;
       if (allowed && k.supported()) return k;
@@ -87,6 +94,55 @@ void gemm_f32_isa(const char* isa, int64_t m, int64_t n, int64_t k, const float*
   KVB_CHECK(kernel != nullptr, "unknown CPU kernel '" << isa << "' (avx512, avx2 or generic)");
   KVB_CHECK_AS(Unavailable, kernel->supported(), "this CPU cannot run the " << isa << " kernel");
   kernel->fn(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+Bf16PackedB pack_b_bf16(const float* b, int64_t ldb, int64_t k, int64_t n) {
+  KVB_CHECK(k > 0 && n > 0 && ldb >= n, "pack_b_bf16: bad shape k=" << k << " n=" << n
+                                                                    << " ldb=" << ldb);
+  Bf16PackedB p;
+  p.k = k;
+  p.n = n;
+  p.k_tiles = (k + kAmxTileK - 1) / kAmxTileK;
+  p.n_tiles = (n + kAmxTileCols - 1) / kAmxTileCols;
+  p.tiles.assign(static_cast<size_t>(p.k_tiles * p.n_tiles * (kAmxTileRows * kAmxTileK)), 0);
+  // Tile (nt, kt) holds B[kt*32 + 2r + q][nt*16 + c] at row r, column 2c + q: the pairs of
+  // consecutive k that one dot-product step of the AMX unit takes together.
+  for (int64_t row = 0; row < k; ++row) {
+    const int64_t kt = row / kAmxTileK, r = (row % kAmxTileK) / 2, q = row % 2;
+    for (int64_t col = 0; col < n; ++col) {
+      const int64_t nt = col / kAmxTileCols, c = col % kAmxTileCols;
+      p.tiles[static_cast<size_t>((nt * p.k_tiles + kt) * (kAmxTileRows * kAmxTileK) + r * kAmxTileK + 2 * c + q)] =
+          float_to_bf16(b[row * ldb + col]);
+    }
+  }
+  return p;
+}
+
+bool amx_bf16_supported() {
+  static const bool supported = amx::supported();
+  return supported;
+}
+
+bool convert_uses_amx() {
+  static const bool uses = uncapped(std::getenv("KVBRIDGE_CPU_ISA")) && amx_bf16_supported();
+  return uses;
+}
+
+void gemm_bf16_amx(int64_t m, const float* a, int64_t lda, const Bf16PackedB& b, float* c,
+                   int64_t ldc) {
+  KVB_CHECK_AS(Unavailable, amx_bf16_supported(),
+               "this CPU (or this build of kvbridge) does not run AMX bfloat16");
+  KVB_CHECK(m >= 0 && lda >= b.k && ldc >= b.n && b.k_tiles * kAmxTileK >= b.k,
+            "gemm_bf16_amx: bad shape m=" << m << " lda=" << lda << " ldc=" << ldc << " k="
+                                          << b.k << " n=" << b.n);
+  if (m == 0) return;
+  // A in bfloat16 tiles, kept per thread across calls (the convert calls this once per source
+  // layer and kind of each token block, with the same shapes).
+  thread_local std::vector<uint16_t> a_tiles;
+  const int64_t m_tiles = (m + kAmxTileRows - 1) / kAmxTileRows;
+  a_tiles.resize(static_cast<size_t>(m_tiles * b.k_tiles * kAmxTileRows * kAmxTileK));
+  amx::round_rows(a, lda, m, b.k, b.k_tiles, a_tiles.data());
+  amx::multiply(m, a_tiles.data(), b.tiles.data(), b.k_tiles, b.n_tiles, b.n, c, ldc);
 }
 
 }  // namespace kvbridge::detail

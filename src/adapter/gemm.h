@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace kvbridge::detail {
 
@@ -20,12 +21,57 @@ void gemm_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, cons
               int64_t ldb, float* c, int64_t ldc, bool accumulate);
 
 /// The kernel gemm_f32 uses: "avx512", "avx2" or "generic". The environment variable
-/// KVBRIDGE_CPU_ISA (read once) can lower the choice, never raise it past what the CPU runs.
+/// KVBRIDGE_CPU_ISA (read once: "amx", "avx512", "avx2" or "generic") can lower the choice, never
+/// raise it past what the CPU runs.
 const char* gemm_isa();
 
 /// Each build of the kernel, for tests: `isa` is one of the names above. Throws
 /// InvalidArgument for an unknown name and Unavailable when this CPU cannot run it.
 void gemm_f32_isa(const char* isa, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                   const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate);
+
+/// AMX tile geometry: 16 rows; 32 bfloat16 (A, B) or 16 float32 (C) values per row.
+constexpr int64_t kAmxTileRows = 16, kAmxTileK = 32, kAmxTileCols = 16;
+
+/// B [k, n] rounded to bfloat16 (nearest even) and laid out for the AMX kernel: tiles of 32 k by
+/// 16 n, zero beyond k and n, column tiles outermost; tile (nt, kt) holds B[32 kt + 2 r + q]
+/// [16 nt + c] at row r, column 2 c + q (the k pairs one AMX dot-product step takes together).
+/// Built once per weight matrix.
+struct Bf16PackedB {
+  int64_t k = 0, n = 0;
+  int64_t k_tiles = 0, n_tiles = 0;
+  std::vector<uint16_t> tiles;  // k_tiles * n_tiles tiles of 16 x 32 bfloat16
+};
+/// Packs row-major float32 B [k, n] (ldb >= n, CPU memory, read only). k, n > 0.
+Bf16PackedB pack_b_bf16(const float* b, int64_t ldb, int64_t k, int64_t n);
+
+/// Whether gemm_bf16_amx runs here: the CPU has AMX-BF16 and AVX512-BF16, the library was built
+/// with them and the OS granted the tile state (asked once per process).
+bool amx_bf16_supported();
+
+/// C += bf16(A) * B in float32: A [m, b.k] row-major float32 (lda >= b.k), rounded to bfloat16
+/// on the way in; C [m, b.n] row-major float32 (ldc >= b.n), must not overlap A. Any m >= 0;
+/// single-threaded (the convert runs it once per token block and thread). Columns of C past b.n
+/// are never written. Unavailable where amx_bf16_supported() is false.
+void gemm_bf16_amx(int64_t m, const float* a, int64_t lda, const Bf16PackedB& b, float* c,
+                   int64_t ldc);
+
+/// The bfloat16 convert uses gemm_bf16_amx: amx_bf16_supported() and KVBRIDGE_CPU_ISA unset,
+/// empty or "amx" (any lower name keeps it on the float32 GEMM, for comparisons).
+bool convert_uses_amx();
+
+/// The AMX build itself (src/adapter/gemm_amx.cpp), behind gemm_bf16_amx.
+namespace amx {
+/// CPU flags, and the OS's permission for the tile state (asked here, once per process is
+/// enough). A build without AMX flags says false.
+bool supported();
+/// Rounds float32 A [m, k] (lda) to bfloat16 in B's tile layout: ceil(m / 16) row tiles of
+/// k_tiles tiles of 16 x 32 each (row tiles outermost), zero past m and k.
+void round_rows(const float* a, int64_t lda, int64_t m, int64_t k, int64_t k_tiles,
+                uint16_t* a_tiles);
+/// C [m, n] (ldc) += A * B, both operands as tiles.
+void multiply(int64_t m, const uint16_t* a_tiles, const uint16_t* b_tiles, int64_t k_tiles,
+              int64_t n_tiles, int64_t n, float* c, int64_t ldc);
+}  // namespace amx
 
 }  // namespace kvbridge::detail

@@ -9,6 +9,7 @@
 
 #include "kvbridge/error.h"
 #include "src/adapter/gemm.h"
+#include "src/core/dtype_convert.h"
 
 namespace kvbridge {
 namespace {
@@ -85,6 +86,62 @@ TEST(GemmDispatch, UnknownKernelIsInvalidArgument) {
   EXPECT_THROW(detail::gemm_f32_isa("sse9", 1, 1, 1, one.data(), 1, one.data(), 1, out.data(), 1,
                                     false),
                InvalidArgument);
+}
+
+// C += bf16(A) * bf16(B) against float64 products of the same rounded values: only the float32
+// accumulation may differ. Sizes cross the 16-row, 16-column and 32-deep tile edges and the
+// 2 x 2 tile blocks; strided A and C; C's padding between rows must stay untouched.
+TEST(GemmBf16Amx, MatchesFloat64ReferenceOfRoundedInputsOnStridedOddSizes) {
+  if (!detail::amx_bf16_supported()) GTEST_SKIP() << "this CPU does not run AMX bfloat16";
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal;
+  auto rounded = [](float v) { return detail::bf16_to_float(detail::float_to_bf16(v)); };
+  for (const Case c : {Case{1, 1, 1}, Case{37, 29, 53}, Case{16, 16, 32}, Case{33, 48, 64},
+                       Case{5, 130, 3}, Case{97, 17, 261}, Case{203, 256, 1024}}) {
+    const int64_t lda = c.k + 3, ldb = c.n + 1, ldc = c.n + 2;
+    std::vector<float> a(static_cast<size_t>(c.m * lda)), b(static_cast<size_t>(c.k * ldb)),
+        cmat(static_cast<size_t>(c.m * ldc));
+    for (float& v : a) v = normal(rng);
+    for (float& v : b) v = normal(rng);
+    for (float& v : cmat) v = normal(rng);
+    const std::vector<float> c0 = cmat;
+    const detail::Bf16PackedB packed = detail::pack_b_bf16(b.data(), ldb, c.k, c.n);
+    detail::gemm_bf16_amx(c.m, a.data(), lda, packed, cmat.data(), ldc);
+    for (int64_t i = 0; i < c.m; ++i) {
+      for (int64_t j = 0; j < ldc; ++j) {
+        const size_t at = static_cast<size_t>(i * ldc + j);
+        if (j >= c.n) {
+          ASSERT_EQ(cmat[at], c0[at]) << "wrote padding at " << i << "," << j;
+          continue;
+        }
+        double ref = c0[at], abs_sum = std::fabs(ref);
+        for (int64_t p = 0; p < c.k; ++p) {
+          const double term = static_cast<double>(rounded(a[static_cast<size_t>(i * lda + p)])) *
+                              rounded(b[static_cast<size_t>(p * ldb + j)]);
+          ref += term;
+          abs_sum += std::fabs(term);
+        }
+        const double tol = 2.0 * static_cast<double>(c.k + 1) * 1.2e-7 * abs_sum + 1e-30;
+        ASSERT_NEAR(cmat[at], ref, tol) << "m=" << c.m << " n=" << c.n << " k=" << c.k << " at "
+                                        << i << "," << j;
+      }
+    }
+  }
+}
+
+TEST(GemmBf16Amx, UnavailableWithoutAmxAndBadShapesRefused) {
+  std::vector<float> one(4, 1.0f), out(4, 0.0f);
+  const detail::Bf16PackedB packed = detail::pack_b_bf16(one.data(), 2, 2, 2);
+  if (!detail::amx_bf16_supported()) {
+    EXPECT_THROW(detail::gemm_bf16_amx(2, one.data(), 2, packed, out.data(), 2), Unavailable);
+    EXPECT_FALSE(detail::convert_uses_amx());
+    return;
+  }
+  EXPECT_THROW(detail::gemm_bf16_amx(2, one.data(), 1, packed, out.data(), 2), InvalidArgument);
+  EXPECT_THROW(detail::gemm_bf16_amx(2, one.data(), 2, packed, out.data(), 1), InvalidArgument);
+  EXPECT_THROW(detail::pack_b_bf16(one.data(), 1, 2, 2), InvalidArgument);
+  detail::gemm_bf16_amx(2, one.data(), 2, packed, out.data(), 2);
+  EXPECT_EQ(out, std::vector<float>(4, 2.0f));
 }
 
 }  // namespace
