@@ -92,6 +92,13 @@ class LinearAdapter {
   /// not grow with the number of layers; blocks are sized so the working memory of all blocks in
   /// flight is at most 90% of the output's size in dst's dtype, unless 128-token blocks alone
   /// need more. No float32 copy of the whole source is made.
+  /// A bfloat16 dst on a CPU with AMX (Intel Sapphire Rapids and later): the GEMMs take the
+  /// un-rotated features and the weights rounded to bfloat16, with float32 accumulation, on AMX
+  /// tiles, as the CUDA path does (the rest stays float32); the weights are packed for it on the
+  /// first such call and kept with the adapter (half their float32 size), and a block's working
+  /// memory holds its features once more in bfloat16. KVBRIDGE_CPU_ISA=avx512 (or lower) keeps
+  /// float32 GEMMs. Either way the result agrees with convert_reference within 2e-2 of the
+  /// largest output magnitude per plane.
   /// Non-finite inputs propagate to the outputs of the tokens that contain them (nothing else is
   /// affected). Throws InvalidArgument for views that do not match or are on different devices.
   void convert(const KVView& src, int64_t start_pos, const KVView& dst) const;
@@ -198,6 +205,11 @@ class LinearAdapter {
                         void* cuda_stream) const;
   std::unique_ptr<Impl> impl_;
 };
+
+/// The GEMM kernel that LinearAdapter::convert of CPU views into a target of `target_dtype`
+/// runs on this machine: "amx-bf16" (bfloat16 inputs on AMX tiles), or the float32 kernel
+/// "avx512", "avx2" or "generic". Chosen once per process from the CPU and KVBRIDGE_CPU_ISA.
+const char* cpu_convert_kernel(DType target_dtype) noexcept;
 
 /// Accumulates paired samples and solves the ridge regressions.
 ///

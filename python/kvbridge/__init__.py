@@ -15,6 +15,7 @@ from kvbridge._core import (
     NotFoundError,
     RopeScaling,
     UnavailableError,
+    cpu_convert_kernel,
     cuda_device_count,
 )
 from kvbridge._core import version as _version
@@ -46,6 +47,7 @@ __all__ = [
     "NotFoundError",
     "RopeScaling",
     "UnavailableError",
+    "cpu_convert_kernel",
     "cuda_device_count",
     "exact",
     "monitor",

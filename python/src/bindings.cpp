@@ -363,6 +363,10 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("version", &version);
   m.def("cuda_device_count", &cuda_device_count);
+  m.def(
+      "cpu_convert_kernel",
+      [](const std::string& dtype) { return cpu_convert_kernel(parse_dtype(dtype)); },
+      py::arg("dtype"));
 
   py::class_<RopeScaling> scaling(m, "RopeScaling");
   def_fields(scaling);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -156,7 +157,7 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   constexpr bool kFloat = std::is_same_v<T, float>;
   // A bfloat16 output is rounded to 8 significant bits anyway: its GEMMs take bfloat16 inputs
   // (as the CUDA path's do) on AMX, where that is several times the float32 GEMM's rate.
-  const auto* bf16 = kFloat && dst.dtype() == DType::kBFloat16 && detail::convert_uses_amx()
+  const auto* bf16 = kFloat && std::string_view(cpu_convert_kernel(dst.dtype())) == "amx-bf16"
                          ? &a.bf16_weights()
                          : nullptr;
   const int64_t threads = kFloat ? std::max(1, omp_get_max_threads()) : 1;
@@ -213,6 +214,11 @@ LinearAdapter::Impl::bf16_weights() const {
               features, outputs));
   });
   return bf16_packed;
+}
+
+const char* cpu_convert_kernel(DType target_dtype) noexcept {
+  return target_dtype == DType::kBFloat16 && detail::convert_uses_amx() ? "amx-bf16"
+                                                                        : detail::gemm_isa();
 }
 
 LinearAdapter::LinearAdapter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

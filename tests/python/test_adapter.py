@@ -1,5 +1,8 @@
 """Adapters through the Python API: planted maps through RoPE, convert vs the float64 path."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,6 +107,20 @@ def test_convert_matches_float64_path(dtype, tol):
             scale = b.float().abs().max().item()
             assert scale > 0
             assert (a.float() - b.float()).abs().max().item() <= tol * scale
+
+
+def test_cpu_convert_kernel_names_the_path_and_the_isa_cap_lowers_it():
+    kernels = {"amx-bf16", "avx512", "avx2", "generic"}
+    assert kvbridge.cpu_convert_kernel("bfloat16") in kernels
+    assert kvbridge.cpu_convert_kernel("float32") in kernels - {"amx-bf16"}
+    assert kvbridge.cpu_convert_kernel("float16") == kvbridge.cpu_convert_kernel("float32")
+    with pytest.raises(kvbridge.InvalidArgumentError):
+        kvbridge.cpu_convert_kernel("int8")
+    # The cap is read once per process, so a child process shows it.
+    code = "import kvbridge; print(kvbridge.cpu_convert_kernel('bfloat16'))"
+    capped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, env={**os.environ, "KVBRIDGE_CPU_ISA": "generic"})
+    assert capped.stdout.strip() == "generic"
 
 
 def test_fit_helper_with_callables(weights):
