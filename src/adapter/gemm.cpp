@@ -128,21 +128,27 @@ bool convert_uses_amx() {
   return uses;
 }
 
-void gemm_bf16_amx(int64_t m, const float* a, int64_t lda, const Bf16PackedB& b, float* c,
-                   int64_t ldc) {
+void tile_a_bf16(int64_t m, int64_t k, const float* a, int64_t lda, Bf16TiledA& out) {
   KVB_CHECK_AS(Unavailable, amx_bf16_supported(),
                "this CPU (or this build of kvbridge) does not run AMX bfloat16");
-  KVB_CHECK(m >= 0 && lda >= b.k && ldc >= b.n && b.k_tiles * kAmxTileK >= b.k,
-            "gemm_bf16_amx: bad shape m=" << m << " lda=" << lda << " ldc=" << ldc << " k="
-                                          << b.k << " n=" << b.n);
-  if (m == 0) return;
-  // A in bfloat16 tiles, kept per thread across calls (the convert calls this once per source
-  // layer and kind of each token block, with the same shapes).
-  thread_local std::vector<uint16_t> a_tiles;
+  KVB_CHECK(m >= 0 && k > 0 && lda >= k,
+            "tile_a_bf16: bad shape m=" << m << " k=" << k << " lda=" << lda);
+  out.m = m;
+  out.k = k;
+  out.k_tiles = (k + kAmxTileK - 1) / kAmxTileK;
   const int64_t m_tiles = (m + kAmxTileRows - 1) / kAmxTileRows;
-  a_tiles.resize(static_cast<size_t>(m_tiles * b.k_tiles * kAmxTileRows * kAmxTileK));
-  amx::round_rows(a, lda, m, b.k, b.k_tiles, a_tiles.data());
-  amx::multiply(m, a_tiles.data(), b.tiles.data(), b.k_tiles, b.n_tiles, b.n, c, ldc);
+  out.tiles.resize(static_cast<size_t>(m_tiles * out.k_tiles * kAmxTileRows * kAmxTileK));
+  amx::round_rows(a, lda, m, k, out.k_tiles, out.tiles.data());
+}
+
+void gemm_bf16_amx(const Bf16TiledA& a, const Bf16PackedB& b, float* c, int64_t ldc) {
+  KVB_CHECK_AS(Unavailable, amx_bf16_supported(),
+               "this CPU (or this build of kvbridge) does not run AMX bfloat16");
+  KVB_CHECK(a.k == b.k && a.k_tiles == b.k_tiles && ldc >= b.n,
+            "gemm_bf16_amx: A has k=" << a.k << ", B k=" << b.k << " n=" << b.n
+                                      << ", ldc=" << ldc);
+  if (a.m == 0) return;
+  amx::multiply(a.m, a.tiles.data(), b.tiles.data(), b.k_tiles, b.n_tiles, b.n, c, ldc);
 }
 
 }  // namespace kvbridge::detail

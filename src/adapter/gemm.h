@@ -49,12 +49,20 @@ Bf16PackedB pack_b_bf16(const float* b, int64_t ldb, int64_t k, int64_t n);
 /// with them and the OS granted the tile state (asked once per process).
 bool amx_bf16_supported();
 
-/// C += bf16(A) * B in float32: A [m, b.k] row-major float32 (lda >= b.k), rounded to bfloat16
-/// on the way in; C [m, b.n] row-major float32 (ldc >= b.n), must not overlap A. Any m >= 0;
-/// single-threaded (the convert runs it once per token block and thread). Columns of C past b.n
-/// are never written. Unavailable where amx_bf16_supported() is false.
-void gemm_bf16_amx(int64_t m, const float* a, int64_t lda, const Bf16PackedB& b, float* c,
-                   int64_t ldc);
+/// A [m, k] rounded to bfloat16 in the tile layout of Bf16PackedB: ceil(m / 16) row tiles of
+/// k_tiles tiles of 16 x 32 (row tiles outermost), zero past m and k. Reused across calls.
+struct Bf16TiledA {
+  int64_t m = 0, k = 0, k_tiles = 0;
+  std::vector<uint16_t> tiles;
+};
+/// Rounds row-major float32 A [m, k] (lda >= k, CPU memory) into `out`, reusing its storage.
+/// Unavailable where amx_bf16_supported() is false.
+void tile_a_bf16(int64_t m, int64_t k, const float* a, int64_t lda, Bf16TiledA& out);
+
+/// C += A * B in float32 on AMX: C [a.m, b.n] row-major float32 (ldc >= b.n); a.k must equal
+/// b.k. Single-threaded (the convert runs one token block per thread). Columns of C past b.n are
+/// never written. Unavailable where amx_bf16_supported() is false.
+void gemm_bf16_amx(const Bf16TiledA& a, const Bf16PackedB& b, float* c, int64_t ldc);
 
 /// The bfloat16 convert uses gemm_bf16_amx: amx_bf16_supported() and KVBRIDGE_CPU_ISA unset,
 /// empty or "amx" (any lower name keeps it on the float32 GEMM, for comparisons).

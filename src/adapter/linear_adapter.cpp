@@ -29,6 +29,7 @@ struct Workspace {
   RowMat<T> x;
   std::array<RowMat<T>, 2> y;
   std::vector<float> buf;  // double: gathered and stored through float32
+  detail::Bf16TiledA x_bf16;  // x rounded for the AMX GEMMs
   detail::RopeTable<T> source_angles, target_angles;
 };
 
@@ -110,6 +111,8 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
       if (rope)
         detail::apply_rope(a.source, w.source_angles, /*inverse=*/true, a.source.num_kv_heads,
                            w.x.data(), 2 * sw);
+      if constexpr (kFloat)
+        if (bf16) detail::tile_a_bf16(n, 2 * sw, w.x.data(), 2 * sw, w.x_bf16);
       for (int kind = 0; kind < 2; ++kind) {
         const float* ws = a.weights[static_cast<size_t>(j)][static_cast<size_t>(kind)].data() +
                           static_cast<int64_t>(si) * 2 * sw * tw;
@@ -117,8 +120,8 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
         if constexpr (kFloat) {
           if (bf16)
             detail::gemm_bf16_amx(
-                n, w.x.data(), 2 * sw,
-                (*bf16)[static_cast<size_t>(j)][static_cast<size_t>(kind)][si], y.data(), tw);
+                w.x_bf16, (*bf16)[static_cast<size_t>(j)][static_cast<size_t>(kind)][si],
+                y.data(), tw);
           else
             detail::gemm_f32(n, tw, 2 * sw, w.x.data(), 2 * sw, ws, tw, y.data(), tw,
                              /*accumulate=*/true);

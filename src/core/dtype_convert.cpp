@@ -45,8 +45,9 @@ uint16_t float_to_fp16(float value) noexcept {
 
 namespace {
 
-template <typename Load>
-void gather(const KVPlane& p, int64_t es, int64_t tokens, int64_t heads, int64_t dim, float* out,
+// es, the element size, is a template argument so that the contiguous loops vectorize.
+template <int64_t es, typename Load>
+void gather(const KVPlane& p, int64_t tokens, int64_t heads, int64_t dim, float* out,
             int64_t ld, const int64_t* rows, Load load) {
   const char* base = static_cast<const char*>(p.data);
 #pragma omp parallel for schedule(static) if (tokens * heads * dim >= kParallelElements)
@@ -63,8 +64,8 @@ void gather(const KVPlane& p, int64_t es, int64_t tokens, int64_t heads, int64_t
     }
 }
 
-template <typename Store>
-void scatter(const float* in, int64_t ld, int64_t es, int64_t tokens, int64_t heads, int64_t dim,
+template <int64_t es, typename Store>
+void scatter(const float* in, int64_t ld, int64_t tokens, int64_t heads, int64_t dim,
              const KVPlane& p, Store store) {
   char* base = static_cast<char*>(p.data);
 #pragma omp parallel for schedule(static) if (tokens * heads * dim >= kParallelElements)
@@ -86,19 +87,19 @@ void load_plane(const KVPlane& p, DType dtype, int64_t tokens, int64_t heads, in
                 float* out, int64_t ld, const int64_t* rows) {
   switch (dtype) {
     case DType::kFloat32:
-      return gather(p, 4, tokens, heads, dim, out, ld, rows, [](const char* s) {
+      return gather<4>(p, tokens, heads, dim, out, ld, rows, [](const char* s) {
         float f;
         std::memcpy(&f, s, 4);
         return f;
       });
     case DType::kBFloat16:
-      return gather(p, 2, tokens, heads, dim, out, ld, rows, [](const char* s) {
+      return gather<2>(p, tokens, heads, dim, out, ld, rows, [](const char* s) {
         uint16_t b;
         std::memcpy(&b, s, 2);
         return bf16_to_float(b);
       });
     case DType::kFloat16:
-      return gather(p, 2, tokens, heads, dim, out, ld, rows, [](const char* s) {
+      return gather<2>(p, tokens, heads, dim, out, ld, rows, [](const char* s) {
         uint16_t b;
         std::memcpy(&b, s, 2);
         return fp16_to_float(b);
@@ -110,15 +111,15 @@ void store_plane(const float* in, int64_t ld, DType dtype, int64_t tokens, int64
                  int64_t dim, const KVPlane& p) {
   switch (dtype) {
     case DType::kFloat32:
-      return scatter(in, ld, 4, tokens, heads, dim, p,
+      return scatter<4>(in, ld, tokens, heads, dim, p,
                      [](char* d, float v) { std::memcpy(d, &v, 4); });
     case DType::kBFloat16:
-      return scatter(in, ld, 2, tokens, heads, dim, p, [](char* d, float v) {
+      return scatter<2>(in, ld, tokens, heads, dim, p, [](char* d, float v) {
         const uint16_t b = float_to_bf16(v);
         std::memcpy(d, &b, 2);
       });
     case DType::kFloat16:
-      return scatter(in, ld, 2, tokens, heads, dim, p, [](char* d, float v) {
+      return scatter<2>(in, ld, tokens, heads, dim, p, [](char* d, float v) {
         const uint16_t b = float_to_fp16(v);
         std::memcpy(d, &b, 2);
       });

@@ -106,7 +106,9 @@ TEST(GemmBf16Amx, MatchesFloat64ReferenceOfRoundedInputsOnStridedOddSizes) {
     for (float& v : cmat) v = normal(rng);
     const std::vector<float> c0 = cmat;
     const detail::Bf16PackedB packed = detail::pack_b_bf16(b.data(), ldb, c.k, c.n);
-    detail::gemm_bf16_amx(c.m, a.data(), lda, packed, cmat.data(), ldc);
+    detail::Bf16TiledA tiled;
+    detail::tile_a_bf16(c.m, c.k, a.data(), lda, tiled);
+    detail::gemm_bf16_amx(tiled, packed, cmat.data(), ldc);
     for (int64_t i = 0; i < c.m; ++i) {
       for (int64_t j = 0; j < ldc; ++j) {
         const size_t at = static_cast<size_t>(i * ldc + j);
@@ -130,17 +132,22 @@ TEST(GemmBf16Amx, MatchesFloat64ReferenceOfRoundedInputsOnStridedOddSizes) {
 }
 
 TEST(GemmBf16Amx, UnavailableWithoutAmxAndBadShapesRefused) {
-  std::vector<float> one(4, 1.0f), out(4, 0.0f);
+  std::vector<float> one(6, 1.0f), out(4, 0.0f);
   const detail::Bf16PackedB packed = detail::pack_b_bf16(one.data(), 2, 2, 2);
+  EXPECT_THROW(detail::pack_b_bf16(one.data(), 1, 2, 2), InvalidArgument);
+  detail::Bf16TiledA tiled;
   if (!detail::amx_bf16_supported()) {
-    EXPECT_THROW(detail::gemm_bf16_amx(2, one.data(), 2, packed, out.data(), 2), Unavailable);
+    EXPECT_THROW(detail::tile_a_bf16(2, 2, one.data(), 2, tiled), Unavailable);
+    EXPECT_THROW(detail::gemm_bf16_amx(tiled, packed, out.data(), 2), Unavailable);
     EXPECT_FALSE(detail::convert_uses_amx());
     return;
   }
-  EXPECT_THROW(detail::gemm_bf16_amx(2, one.data(), 1, packed, out.data(), 2), InvalidArgument);
-  EXPECT_THROW(detail::gemm_bf16_amx(2, one.data(), 2, packed, out.data(), 1), InvalidArgument);
-  EXPECT_THROW(detail::pack_b_bf16(one.data(), 1, 2, 2), InvalidArgument);
-  detail::gemm_bf16_amx(2, one.data(), 2, packed, out.data(), 2);
+  EXPECT_THROW(detail::tile_a_bf16(2, 2, one.data(), 1, tiled), InvalidArgument);
+  detail::tile_a_bf16(2, 3, one.data(), 3, tiled);
+  EXPECT_THROW(detail::gemm_bf16_amx(tiled, packed, out.data(), 2), InvalidArgument);  // k 3 vs 2
+  detail::tile_a_bf16(2, 2, one.data(), 2, tiled);
+  EXPECT_THROW(detail::gemm_bf16_amx(tiled, packed, out.data(), 1), InvalidArgument);
+  detail::gemm_bf16_amx(tiled, packed, out.data(), 2);
   EXPECT_EQ(out, std::vector<float>(4, 2.0f));
 }
 
