@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <array>
-#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -32,6 +31,12 @@ struct Workspace {
   detail::Bf16TiledA x_bf16;  // x rounded for the AMX GEMMs
   detail::RopeTable<T> source_angles, target_angles;
 };
+
+// A bfloat16 output is rounded to 8 significant bits anyway: its GEMMs take bfloat16 inputs (as
+// the CUDA path's do) on AMX, where that is several times the float32 GEMM's rate.
+bool amx_convert(DType dst_dtype) {
+  return dst_dtype == DType::kBFloat16 && detail::convert_uses_amx();
+}
 
 // Tokens per block of the float32 path. Blocks are converted in parallel, one per OpenMP thread
 // at a time, each with single-threaded GEMMs: the threads need no synchronisation inside a
@@ -158,11 +163,7 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   const int64_t T_ = dst.tokens();
   if (T_ == 0) return;
   constexpr bool kFloat = std::is_same_v<T, float>;
-  // A bfloat16 output is rounded to 8 significant bits anyway: its GEMMs take bfloat16 inputs
-  // (as the CUDA path's do) on AMX, where that is several times the float32 GEMM's rate.
-  const auto* bf16 = kFloat && std::string_view(cpu_convert_kernel(dst.dtype())) == "amx-bf16"
-                         ? &a.bf16_weights()
-                         : nullptr;
+  const auto* bf16 = kFloat && amx_convert(dst.dtype()) ? &a.bf16_weights() : nullptr;
   const int64_t threads = kFloat ? std::max(1, omp_get_max_threads()) : 1;
   const int64_t B = kFloat ? block_tokens(a, T_, dst.dtype(), threads, bf16 != nullptr) : T_;
   const int64_t blocks = (T_ + B - 1) / B;
@@ -220,8 +221,7 @@ LinearAdapter::Impl::bf16_weights() const {
 }
 
 const char* cpu_convert_kernel(DType target_dtype) noexcept {
-  return target_dtype == DType::kBFloat16 && detail::convert_uses_amx() ? "amx-bf16"
-                                                                        : detail::gemm_isa();
+  return amx_convert(target_dtype) ? "amx-bf16" : detail::gemm_isa();
 }
 
 LinearAdapter::LinearAdapter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
