@@ -12,6 +12,7 @@
 #include "src/core/path_check.h"
 #include "src/core/prometheus.h"
 #include "src/core/xxh3.h"
+#include "src/index/chain_hashes.h"
 #include "src/index/token_ids.h"
 #include "src/store/disk_tier.h"
 #include "src/store/entry_codec.h"
@@ -210,9 +211,11 @@ struct KVStore::Impl {
     std::vector<Hash128> h;  // h[c] = key of chunk c
     Hash128 salt;
     const Hash128& at(size_t c) {
-      while (h.size() <= c) {
-        const Hash128 parent = h.empty() ? salt : h.back();
-        h.push_back(chain_hash(parent, tokens + static_cast<int64_t>(h.size()) * chunk, chunk));
+      const size_t have = h.size();
+      if (have <= c) {
+        h.resize(c + 1);
+        detail::chain_hashes(have ? h[have - 1] : salt, tokens + static_cast<int64_t>(have) * chunk,
+                             chunk, c + 1 - have, h.data() + have);
       }
       return h[c];
     }
