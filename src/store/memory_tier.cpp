@@ -98,7 +98,7 @@ MemoryTier::Probe MemoryTier::probe(const Hash128& key, const Hash128& salt,
 MemoryTier::PrefixRun MemoryTier::pin_prefix(
     const Hash128* keys, size_t count, const Hash128& salt, const Hash128& first_parent,
     const uint32_t* ids, int64_t chunk, int64_t now,
-    std::vector<std::shared_ptr<const ChunkEntry>>* pins) {
+    std::vector<std::shared_ptr<const ChunkEntry>>* pins, EntryProvenance* converted) {
   PrefixRun run;
   if (count == 0) return run;
   KVB_CHECK(count <= kMaxPrefixRun, "pin_prefix: a run of " << count << " chunks is longer than "
@@ -141,6 +141,7 @@ MemoryTier::PrefixRun MemoryTier::pin_prefix(
     const char* entry = reinterpret_cast<const char*>(slot->entry.get());
     __builtin_prefetch(entry);
     __builtin_prefetch(entry + 64);  // the token ids (salt, parent and ids span two lines)
+    if (converted) __builtin_prefetch(slot->entry->provenance.adapter.data());  // a third line
     shards_[shard_of[found]]->order.prefetch(slot->order);
   }
   for (size_t i = 0; i < count; ++i, ++run.hits) {
@@ -162,7 +163,11 @@ MemoryTier::PrefixRun MemoryTier::pin_prefix(
       return run;
     }
     s.order.touch(slot->order, keys[i]);
-    pins->push_back(slot->entry);
+    if (pins) {
+      pins->push_back(slot->entry);
+    } else if (converted && !converted->converted() && slot->entry->provenance.converted()) {
+      *converted = slot->entry->provenance;
+    }
   }
   return run;
 }

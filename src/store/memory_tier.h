@@ -217,9 +217,13 @@ class MemoryTier {
   /// i = 0) and ids [i * chunk, (i + 1) * chunk) of `ids`. count <= kMaxPrefixRun. Each shard
   /// the run touches is locked once (all of them together, in ascending order, so two runs
   /// never deadlock) instead of once per chunk, and the run's table slots are prefetched.
+  /// With pins null nothing is pinned (a lookup that only wants the length: pinning is an
+  /// atomic increment per chunk and a decrement when released); then `converted`, when not
+  /// null and not yet converted(), gets the provenance of the run's first converted hit.
   PrefixRun pin_prefix(const Hash128* keys, size_t count, const Hash128& salt,
                        const Hash128& first_parent, const uint32_t* ids, int64_t chunk,
-                       int64_t now, std::vector<std::shared_ptr<const ChunkEntry>>* pins);
+                       int64_t now, std::vector<std::shared_ptr<const ChunkEntry>>* pins,
+                       EntryProvenance* converted = nullptr);
 
   /// Whether the index holds key (whatever its chunk).
   bool contains(const Hash128& key);
