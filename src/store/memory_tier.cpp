@@ -35,6 +35,8 @@ char* allocate_payload(size_t payload) {
 MemoryTier::MemoryTier(const StoreOptions& o)
     : ttl_ms_(o.ttl_seconds * 1000), accountant_(std::make_shared<Accountant>(o.capacity_bytes)) {
   for (int i = 0; i < o.num_shards; ++i) shards_.push_back(std::make_unique<Shard>(o.eviction));
+  const size_t n = shards_.size();
+  if (n > 1 && (n & (n - 1)) == 0) shard_mask_ = n - 1;
 }
 
 // Removes a slot under its shard lock; the entry is handed back to be freed after unlocking.
