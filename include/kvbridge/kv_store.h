@@ -310,6 +310,13 @@ class Match {
   int64_t chunk_tokens_ = 0;
 };
 
+/// The result of KVStore::match_length: what Match::tokens() and Match::converted_provenance()
+/// of the same match() would say, without the KV.
+struct MatchLength {
+  int64_t tokens = 0;
+  Provenance converted_provenance;
+};
+
 class KVStore {
  public:
   /// Throws InvalidArgument for options out of range (or a malformed redis_url), Unavailable
@@ -341,6 +348,11 @@ class KVStore {
   /// The longest cached prefix of `tokens` for (spec, ns), pinned. A miss is an empty Match.
   /// Throws InvalidArgument for bad tokens or a bad spec; never for a failing disk or Redis tier.
   Match match(const ModelSpec& spec, TokenSpan tokens, std::string_view ns = "default");
+  /// match() for a caller that only wants the prefix's length (and provenance): the same
+  /// lookups and effects (uses recorded, lower-tier hits promoted into memory, counters), but
+  /// nothing is pinned, which saves a reference taken and dropped per chunk.
+  MatchLength match_length(const ModelSpec& spec, TokenSpan tokens,
+                           std::string_view ns = "default");
 
   /// Removes the entries of the whole chunks of `tokens` for (spec, ns) from the selected tiers
   /// (StoreTier bits). Pinned entries leave the index at once and free their memory when

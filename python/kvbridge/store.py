@@ -152,12 +152,14 @@ class KVStore:
         as_cache: return the KV as a transformers DynamicCache instead of a legacy tuple.
         """
         ids = as_tokens(tokens)
-        found = self._store.match(spec, ids, _args.text("namespace", namespace))
+        ns = _args.text("namespace", namespace)
+        if not return_kv:  # the length only: nothing pinned, no Match object in between
+            n, converted_from, adapter = self._store.match_length(spec, ids, ns)
+            return Match(n, None, converted_from, adapter) if n else Match(0, None)
+        found = self._store.match(spec, ids, ns)
         if found.tokens == 0:
             return Match(0, None)
         converted_from, adapter = found.converted_provenance()
-        if not return_kv:
-            return Match(found.tokens, None, converted_from, adapter)
         kv = empty_kv(spec, found.tokens)
         if not found.copy_into(kv):  # always taken for empty_kv's CPU tensors
             keys, values = kv_views(kv)

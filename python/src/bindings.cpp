@@ -534,6 +534,22 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
       .def(
+          "match_length",
+          [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,
+             const std::string& ns) {
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
+            MatchLength found;
+            {
+              py::gil_scoped_release release;
+              found = store.match_length(spec, span, ns);
+            }
+            return py::make_tuple(found.tokens, found.converted_provenance.source_fingerprint,
+                                  found.converted_provenance.adapter_fingerprint);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("namespace"),
+          "(tokens, source fingerprint, adapter fingerprint) of KVStore::match_length.")
+      .def(
           "erase",
           [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,
              const std::string& ns, unsigned tiers) {

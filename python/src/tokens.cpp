@@ -79,9 +79,9 @@ PyTokens::PyTokens(const py::handle& tokens) {
   if (PyList_Check(tokens.ptr()) || PyTuple_Check(tokens.ptr())) {
     const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(tokens.ptr()));
     PyObject** items = PySequence_Fast_ITEMS(tokens.ptr());
-    ids_.resize(n);
-    for (size_t i = 0; i < n; ++i) ids_[i] = item_id(items[i], i);
-    span_ = TokenSpan(ids_.data(), n);
+    uint32_t* out = allocate(n);
+    for (size_t i = 0; i < n; ++i) out[i] = item_id(items[i], i);
+    span_ = TokenSpan(out, n);
     return;
   }
   const void* tensor_data = nullptr;
@@ -93,18 +93,18 @@ PyTokens::PyTokens(const py::handle& tokens) {
     // these through; other tensors arrive as numpy arrays).
     const auto* base = static_cast<const char*>(tensor_data);
     if (tensor_size == 0) {
-      span_ = TokenSpan(ids_.data(), 0);
+      span_ = TokenSpan(ids_.get(), 0);
     } else if (element_size == 8 && tensor_stride == 1) {
       span_ = TokenSpan(static_cast<const int64_t*>(tensor_data), tensor_size);
     } else {
-      ids_.resize(tensor_size);
+      uint32_t* out = allocate(tensor_size);
       const py::ssize_t byte_stride = static_cast<py::ssize_t>(tensor_stride) * element_size;
       if (element_size == 8) {
-        narrow<int64_t>(base, byte_stride, tensor_size, ids_.data());
+        narrow<int64_t>(base, byte_stride, tensor_size, out);
       } else {
-        narrow<int32_t>(base, byte_stride, tensor_size, ids_.data());
+        narrow<int32_t>(base, byte_stride, tensor_size, out);
       }
-      span_ = TokenSpan(ids_.data(), tensor_size);
+      span_ = TokenSpan(out, tensor_size);
     }
     return;
   }
@@ -136,14 +136,13 @@ PyTokens::PyTokens(const py::handle& tokens) {
   const auto* base = static_cast<const char*>(array.data());
   const bool dense = stride == dt.itemsize();
   if (n == 0) {
-    span_ = TokenSpan(ids_.data(), 0);
+    span_ = TokenSpan(ids_.get(), 0);
   } else if (dense && kind == 'i' && dt.itemsize() == 8) {
     span_ = TokenSpan(reinterpret_cast<const int64_t*>(base), n);  // checked by the library
   } else if (dense && kind == 'u' && dt.itemsize() == 4) {
     span_ = TokenSpan(reinterpret_cast<const uint32_t*>(base), n);
   } else {
-    ids_.resize(n);
-    uint32_t* out = ids_.data();
+    uint32_t* out = allocate(n);
     switch (kind == 'i' ? -dt.itemsize() : dt.itemsize()) {
       case -1: narrow<int8_t>(base, stride, n, out); break;
       case -2: narrow<int16_t>(base, stride, n, out); break;
@@ -156,8 +155,13 @@ PyTokens::PyTokens(const py::handle& tokens) {
       default:
         throw py::type_error("tokens: unsupported integer dtype " + py::str(dt).cast<std::string>());
     }
-    span_ = TokenSpan(ids_.data(), n);
+    span_ = TokenSpan(out, n);
   }
+}
+
+uint32_t* PyTokens::allocate(size_t n) {
+  ids_.reset(new uint32_t[n]);  // not zero-filled: every id is written
+  return ids_.get();
 }
 
 }  // namespace kvbridge::python

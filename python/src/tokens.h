@@ -4,7 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "kvbridge/prefix_hash.h"
 
@@ -30,7 +30,9 @@ class PyTokens {
   TokenSpan span() const noexcept { return span_; }
 
  private:
-  std::vector<uint32_t> ids_;
+  uint32_t* allocate(size_t n);
+
+  std::unique_ptr<uint32_t[]> ids_;  // converted ids, when not read in place
   TokenSpan span_;
 };
 

@@ -28,6 +28,10 @@ const Xxh3Impl kBase{base_hash128, base_reset, base_update, base_digest};
 const Xxh3Impl& impl() {
   static const Xxh3Impl* chosen = [] {
 #if defined(__x86_64__) || defined(__i386__)
+    // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
+    if (const Xxh3Impl* avx512 = xxh3_avx512_impl()) {
+      if (__builtin_cpu_supports("avx512f")) return avx512;
+    }
     if (const Xxh3Impl* avx2 = xxh3_avx2_impl()) {
       if (__builtin_cpu_supports("avx2")) return avx2;
     }

@@ -1,5 +1,6 @@
 // The one place that includes xxHash (inlined, so neither the library nor its users link it).
-// Long inputs use the AVX2 build where the CPU has it (xxh3_impl.h); digests are the same.
+// Long inputs use the AVX-512 or AVX2 build where the CPU has it (xxh3_impl.h); digests are
+// the same.
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,6 @@
 // XXH3 entry points compiled once per instruction set (xxh3.cpp: the baseline, xxh3_avx2.cpp:
-// AVX2); xxh3.cpp picks one at run time. Every variant computes the same digests.
+// AVX2, xxh3_avx512.cpp: AVX-512F); xxh3.cpp picks one at run time. Every variant computes the
+// same digests.
 #pragma once
 
 #include <cstddef>
@@ -16,4 +17,6 @@ struct Xxh3Impl {
 };
 /// The AVX2 build, or nullptr where it was not compiled.
 const Xxh3Impl* xxh3_avx2_impl();
+/// The AVX-512F build, or nullptr where it was not compiled.
+const Xxh3Impl* xxh3_avx512_impl();
 }  // namespace kvbridge::detail

@@ -8,6 +8,7 @@
 #include "kvbridge/error.h"
 #include "src/core/byte_order.h"
 #include "src/core/xxh3.h"
+#include "src/index/chain_hashes.h"
 #include "src/index/token_ids.h"
 
 namespace kvbridge {
@@ -21,11 +22,7 @@ void append_prefixed(std::string& out, std::string_view s) {
 }
 
 constexpr int64_t kMaxToken = int64_t{1} << 32;
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-constexpr bool kLittleEndianHost = true;
-#else
-constexpr bool kLittleEndianHost = false;
-#endif
+using detail::kLittleEndianHost;
 
 }  // namespace
 
@@ -90,7 +87,19 @@ Hash128 prefix_salt(std::string_view ns, const ModelSpec& spec) {
   return detail::xxh3_128(salt.data(), salt.size());
 }
 
-Hash128 chain_hash(const Hash128& previous, const uint32_t* chunk, int64_t count) {
+namespace {
+
+// One chain step from the previous key's two halves: callers that chain many steps keep them in
+// registers (a Hash128 stored by one step and reloaded whole by the next stalled on store
+// forwarding).
+Hash128 chain_step(uint64_t low, uint64_t high, const uint32_t* chunk, int64_t count) {
+  if (kLittleEndianHost && count == 16) {  // the common chunk (vLLM's block): fixed-size copies
+    unsigned char buf[16 + 4 * 16];
+    detail::store_le64(buf, low);
+    detail::store_le64(buf + 8, high);
+    std::memcpy(buf + 16, chunk, 4 * 16);
+    return detail::xxh3_128(buf, sizeof buf);
+  }
   // Stack buffer for the common chunk sizes; the hash input is small and built once.
   constexpr int64_t kStackTokens = 1024;
   unsigned char stack_buf[16 + 4 * kStackTokens];
@@ -100,13 +109,20 @@ Hash128 chain_hash(const Hash128& previous, const uint32_t* chunk, int64_t count
     heap_buf.resize(static_cast<size_t>(16 + 4 * count));
     buf = reinterpret_cast<unsigned char*>(heap_buf.data());
   }
-  detail::store_hash(buf, previous);
+  detail::store_le64(buf, low);
+  detail::store_le64(buf + 8, high);
   if constexpr (kLittleEndianHost) {
     std::memcpy(buf + 16, chunk, static_cast<size_t>(4 * count));
   } else {
     for (int64_t i = 0; i < count; ++i) detail::store_le32(buf + 16 + 4 * i, chunk[i]);
   }
   return detail::xxh3_128(buf, static_cast<size_t>(16 + 4 * count));
+}
+
+}  // namespace
+
+Hash128 chain_hash(const Hash128& previous, const uint32_t* chunk, int64_t count) {
+  return chain_step(previous.low, previous.high, chunk, count);
 }
 
 Hash128 chain_hash(const Hash128& previous, const int64_t* chunk, int64_t count) {
@@ -123,17 +139,26 @@ Hash128 chain_hash(const Hash128& previous, const int64_t* chunk, int64_t count)
   return chain_hash(previous, ids, count);
 }
 
+namespace detail {
+
+void chain_hashes(Hash128 previous, const uint32_t* ids, int64_t chunk, size_t n, Hash128* out) {
+  uint64_t low = previous.low, high = previous.high;
+  for (size_t i = 0; i < n; ++i) {
+    const Hash128 h = chain_step(low, high, ids + static_cast<int64_t>(i) * chunk, chunk);
+    out[i] = h;
+    low = h.low;
+    high = h.high;
+  }
+}
+
+}  // namespace detail
+
 std::vector<Hash128> prefix_hashes(const Hash128& salt, TokenSpan tokens, int64_t chunk_tokens) {
   KVB_CHECK(chunk_tokens > 0, "chunk_tokens must be > 0, got " << chunk_tokens);
   const detail::TokenIds ids(tokens);
   const int64_t chunks = static_cast<int64_t>(ids.size()) / chunk_tokens;
-  std::vector<Hash128> out;
-  out.reserve(static_cast<size_t>(chunks));
-  Hash128 h = salt;
-  for (int64_t c = 0; c < chunks; ++c) {
-    h = chain_hash(h, ids.data() + c * chunk_tokens, chunk_tokens);
-    out.push_back(h);
-  }
+  std::vector<Hash128> out(static_cast<size_t>(chunks));
+  detail::chain_hashes(salt, ids.data(), chunk_tokens, out.size(), out.data());
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include "src/core/path_check.h"
 #include "src/core/prometheus.h"
 #include "src/core/xxh3.h"
+#include "src/index/chain_hashes.h"
 #include "src/index/token_ids.h"
 #include "src/store/disk_tier.h"
 #include "src/store/entry_codec.h"
@@ -210,9 +211,11 @@ struct KVStore::Impl {
     std::vector<Hash128> h;  // h[c] = key of chunk c
     Hash128 salt;
     const Hash128& at(size_t c) {
-      while (h.size() <= c) {
-        const Hash128 parent = h.empty() ? salt : h.back();
-        h.push_back(chain_hash(parent, tokens + static_cast<int64_t>(h.size()) * chunk, chunk));
+      const size_t have = h.size();
+      if (have <= c) {
+        h.resize(c + 1);
+        detail::chain_hashes(have ? h[have - 1] : salt, tokens + static_cast<int64_t>(have) * chunk,
+                             chunk, c + 1 - have, h.data() + have);
       }
       return h[c];
     }
@@ -259,6 +262,10 @@ struct KVStore::Impl {
       if (c < fresh.size()) fresh[c].reset();
     }
   };
+
+  int64_t walk(const ModelSpec& spec, TokenSpan tokens, std::string_view ns,
+               std::vector<std::shared_ptr<const ChunkEntry>>* pins,
+               detail::EntryProvenance* converted);
 
   // Looks chunk c up in each lower tier in turn and promotes a hit into memory. Returns the
   // pinned entry, or nullptr (a miss or a collision, *collision says which; or no room).
@@ -455,20 +462,23 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
   return stored * chunk;
 }
 
-Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) {
-  Impl& m = *impl_;
+// match() and match_length(): the chunks of the longest cached prefix, in order. With pins null
+// nothing is pinned and *converted gets the first converted chunk's provenance.
+int64_t KVStore::Impl::walk(const ModelSpec& spec, TokenSpan tokens, std::string_view ns,
+                            std::vector<std::shared_ptr<const ChunkEntry>>* pins,
+                            detail::EntryProvenance* converted) {
+  Impl& m = *this;
   spec.validate();
   const detail::TokenIds ids_all(tokens);
   const Call call = m.call(spec, ns);
   const int64_t chunk = call.shape.chunk;
   const size_t chunks = tokens.size / static_cast<size_t>(chunk);
-  Match result;
-  result.chunk_tokens_ = chunk;
   Impl::Keys keys{ids_all.data(), chunk, {}, call.shape.salt};  // hashed lazily: a miss stops early
   keys.h.reserve(chunks);
-  result.entries_.reserve(chunks);
+  if (pins) pins->reserve(chunks);
   std::unique_ptr<Impl::Lookup> lookup;  // made at the first memory miss
   int64_t memory_hits = 0;  // counted once per call, not per chunk
+  size_t hits = 0;
   // Memory hits are pinned a run at a time (16 chunks, doubling while they hit): one lock per
   // shard per run instead of one per chunk; the run's keys are hashed just before.
   size_t run = 16;
@@ -477,9 +487,10 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
     keys.at(c + n - 1);
     const MemoryTier::PrefixRun hit = m.memory.pin_prefix(
         keys.h.data() + c, n, call.shape.salt, keys.parent(c),
-        ids_all.data() + static_cast<int64_t>(c) * chunk, chunk, call.now_ms, &result.entries_);
+        ids_all.data() + static_cast<int64_t>(c) * chunk, chunk, call.now_ms, pins, converted);
     memory_hits += static_cast<int64_t>(hit.hits);
     c += hit.hits;
+    hits += hit.hits;
     if (hit.hits == n) {
       run = std::min(2 * run, MemoryTier::kMaxPrefixRun);
       continue;
@@ -496,14 +507,33 @@ Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view n
     std::shared_ptr<const ChunkEntry> pinned = m.load_lower(*lookup, c, &collision);
     if (collision) m.collisions.fetch_add(1, std::memory_order_relaxed);
     if (!pinned) break;
-    result.entries_.push_back(std::move(pinned));
+    if (pins) {
+      pins->push_back(std::move(pinned));
+    } else if (converted && !converted->converted() && pinned->provenance.converted()) {
+      *converted = pinned->provenance;
+    }
+    ++hits;
     ++c;
   }
   TierCounters::add(m.memory.counters().hit_chunks, memory_hits);
-  result.tokens_ = result.chunks() * chunk;
   m.matches.fetch_add(1, std::memory_order_relaxed);
-  (result.tokens_ ? m.hits : m.misses).fetch_add(1, std::memory_order_relaxed);
-  m.hit_chunks.fetch_add(result.chunks(), std::memory_order_relaxed);
+  (hits ? m.hits : m.misses).fetch_add(1, std::memory_order_relaxed);
+  m.hit_chunks.fetch_add(static_cast<int64_t>(hits), std::memory_order_relaxed);
+  return static_cast<int64_t>(hits) * chunk;
+}
+
+Match KVStore::match(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) {
+  Match result;
+  result.chunk_tokens_ = impl_->options.chunk_tokens;
+  result.tokens_ = impl_->walk(spec, tokens, ns, &result.entries_, nullptr);
+  return result;
+}
+
+MatchLength KVStore::match_length(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) {
+  detail::EntryProvenance converted;
+  MatchLength result;
+  result.tokens = impl_->walk(spec, tokens, ns, nullptr, &converted);
+  result.converted_provenance = detail::from_entry_provenance(converted);
   return result;
 }
 

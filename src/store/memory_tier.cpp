@@ -35,6 +35,8 @@ char* allocate_payload(size_t payload) {
 MemoryTier::MemoryTier(const StoreOptions& o)
     : ttl_ms_(o.ttl_seconds * 1000), accountant_(std::make_shared<Accountant>(o.capacity_bytes)) {
   for (int i = 0; i < o.num_shards; ++i) shards_.push_back(std::make_unique<Shard>(o.eviction));
+  const size_t n = shards_.size();
+  if (n > 1 && (n & (n - 1)) == 0) shard_mask_ = n - 1;
 }
 
 // Removes a slot under its shard lock; the entry is handed back to be freed after unlocking.
@@ -98,7 +100,7 @@ MemoryTier::Probe MemoryTier::probe(const Hash128& key, const Hash128& salt,
 MemoryTier::PrefixRun MemoryTier::pin_prefix(
     const Hash128* keys, size_t count, const Hash128& salt, const Hash128& first_parent,
     const uint32_t* ids, int64_t chunk, int64_t now,
-    std::vector<std::shared_ptr<const ChunkEntry>>* pins) {
+    std::vector<std::shared_ptr<const ChunkEntry>>* pins, EntryProvenance* converted) {
   PrefixRun run;
   if (count == 0) return run;
   KVB_CHECK(count <= kMaxPrefixRun, "pin_prefix: a run of " << count << " chunks is longer than "
@@ -138,9 +140,13 @@ MemoryTier::PrefixRun MemoryTier::pin_prefix(
     Slot* slot = shards_[shard_of[found]]->map.find(keys[found]);
     if (!slot) break;
     slots[found] = slot;
+    // Salt, parent and the ids the compare reads: 112 bytes from a 16-byte aligned start, so up
+    // to three lines (the third, which holds the ids' count, was a miss on most hits).
     const char* entry = reinterpret_cast<const char*>(slot->entry.get());
     __builtin_prefetch(entry);
-    __builtin_prefetch(entry + 64);  // the token ids (salt, parent and ids span two lines)
+    __builtin_prefetch(entry + 64);
+    __builtin_prefetch(reinterpret_cast<const char*>(&slot->entry->kv) - 1);
+    if (converted) __builtin_prefetch(slot->entry->provenance.adapter.data());  // a third line
     shards_[shard_of[found]]->order.prefetch(slot->order);
   }
   for (size_t i = 0; i < count; ++i, ++run.hits) {
@@ -162,7 +168,11 @@ MemoryTier::PrefixRun MemoryTier::pin_prefix(
       return run;
     }
     s.order.touch(slot->order, keys[i]);
-    pins->push_back(slot->entry);
+    if (pins) {
+      pins->push_back(slot->entry);
+    } else if (converted && !converted->converted() && slot->entry->provenance.converted()) {
+      *converted = slot->entry->provenance;
+    }
   }
   return run;
 }

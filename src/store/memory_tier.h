@@ -217,9 +217,13 @@ class MemoryTier {
   /// i = 0) and ids [i * chunk, (i + 1) * chunk) of `ids`. count <= kMaxPrefixRun. Each shard
   /// the run touches is locked once (all of them together, in ascending order, so two runs
   /// never deadlock) instead of once per chunk, and the run's table slots are prefetched.
+  /// With pins null nothing is pinned (a lookup that only wants the length: pinning is an
+  /// atomic increment per chunk and a decrement when released); then `converted`, when not
+  /// null and not yet converted(), gets the provenance of the run's first converted hit.
   PrefixRun pin_prefix(const Hash128* keys, size_t count, const Hash128& salt,
                        const Hash128& first_parent, const uint32_t* ids, int64_t chunk,
-                       int64_t now, std::vector<std::shared_ptr<const ChunkEntry>>* pins);
+                       int64_t now, std::vector<std::shared_ptr<const ChunkEntry>>* pins,
+                       EntryProvenance* converted = nullptr);
 
   /// Whether the index holds key (whatever its chunk).
   bool contains(const Hash128& key);
@@ -268,7 +272,11 @@ class MemoryTier {
   };
 
 
-  size_t shard_index(const Hash128& h) const { return (h.high >> 7) % shards_.size(); }
+  // A mask for power-of-two shard counts (the default 16): a division per chunk was a tenth of
+  // a long match's lookups.
+  size_t shard_index(const Hash128& h) const {
+    return shard_mask_ ? (h.high >> 7) & shard_mask_ : (h.high >> 7) % shards_.size();
+  }
   Shard& shard_for(const Hash128& h) { return *shards_[shard_index(h)]; }
   bool expired(const ChunkEntry& e, int64_t now) const {
     return ttl_ms_ > 0 && now - e.created_ms >= ttl_ms_;
@@ -280,6 +288,7 @@ class MemoryTier {
   const int64_t ttl_ms_;
   std::shared_ptr<Accountant> accountant_;
   std::vector<std::unique_ptr<Shard>> shards_;
+  size_t shard_mask_ = 0;  // shards - 1 when a power of two above 1, else 0
   std::atomic<uint32_t> evict_cursor_{0};
   std::atomic<int64_t> entries_{0};
   TierCounters counters_;

@@ -70,6 +70,46 @@ TEST(KVStore, ConvertedProvenanceIsTheFirstConvertedChunks) {
   EXPECT_FALSE(Match().converted_provenance().converted());
 }
 
+// match_length: match()'s length, provenance and counters, with nothing left pinned.
+TEST(KVStore, MatchLengthIsMatchWithoutPins) {
+  const ModelSpec spec = testing::small_spec(DType::kFloat32, 2, 3, 8);
+  // Room for exactly 4 entries: a pinned one could not be evicted by a fifth.
+  KVStore store(options(4 * entry_bytes(spec), 1));
+  const auto tokens = testing::random_tokens(4 * kChunk + 3, 7);
+  const Provenance converted{std::string(32, '3'), std::string(32, 'c')};
+  HFKV kv(spec, static_cast<int64_t>(tokens.size()), 2, 4);
+  const TokenSpan all(tokens);
+  store.put(spec, all.first(2 * kChunk), kv.view().slice_tokens(0, 2 * kChunk));
+  store.put(spec, all, kv.view(), "default", converted);
+  for (size_t n : {size_t{5}, size_t{kChunk}, size_t{3 * kChunk + 1}, tokens.size()}) {
+    const StoreStats before = store.stats();
+    const MatchLength len = store.match_length(spec, all.first(n));
+    const StoreStats mid = store.stats();
+    const Match m = store.match(spec, all.first(n));
+    const StoreStats after = store.stats();
+    EXPECT_EQ(len.tokens, m.tokens()) << n;
+    EXPECT_EQ(len.converted_provenance.source_fingerprint,
+              m.converted_provenance().source_fingerprint) << n;
+    EXPECT_EQ(len.converted_provenance.adapter_fingerprint,
+              m.converted_provenance().adapter_fingerprint) << n;
+    EXPECT_EQ(mid.matches - before.matches, after.matches - mid.matches) << n;
+    EXPECT_EQ(mid.hits - before.hits, after.hits - mid.hits) << n;
+    EXPECT_EQ(mid.hit_chunks - before.hit_chunks, after.hit_chunks - mid.hit_chunks) << n;
+    EXPECT_EQ(mid.memory.hit_chunks - before.memory.hit_chunks,
+              after.memory.hit_chunks - mid.memory.hit_chunks) << n;
+  }
+  EXPECT_EQ(store.match_length(spec, all).converted_provenance.adapter_fingerprint,
+            converted.adapter_fingerprint);
+  EXPECT_EQ(store.match_length(spec, all, "other").tokens, 0);
+  // Nothing stays pinned: after a length-only match a fifth chunk evicts the coldest.
+  const auto other = testing::random_tokens(kChunk, 8);
+  HFKV kv2(spec, kChunk, 1, 5);
+  store.match_length(spec, all);
+  EXPECT_EQ(store.put(spec, other, kv2.view()), kChunk);
+  EXPECT_EQ(store.stats().evictions, 1);
+  EXPECT_EQ(store.match_length(spec, all).tokens, 0);  // chunk 0 was the coldest
+}
+
 TEST(KVStore, OptionsHaveUpperBoundsAndPathsNoNul) {
   StoreOptions o = options(1 << 20);
   o.chunk_tokens = int64_t{1} << 62;

@@ -119,6 +119,32 @@ TEST(StoreDisk, MixedTiersAlongOnePrefix) {
   EXPECT_EQ(after.disk.hit_chunks - before.disk.hit_chunks, 2);
 }
 
+TEST(StoreDisk, MatchLengthPromotesLikeMatch) {
+  TempDir dir;
+  const ModelSpec spec = testing::small_spec();
+  const auto tokens = testing::random_tokens(3 * kChunk, 9);
+  DenseKV kv(spec, 3 * kChunk, 6);
+  KVStore store(disk_options(dir.path));
+  const Provenance converted{std::string(32, '4'), std::string(32, 'd')};
+  store.put(spec, tokens, kv.view, "default", converted);
+  store.clear(kMemoryTier);
+  const MatchLength len = store.match_length(spec, tokens);
+  EXPECT_EQ(len.tokens, 3 * kChunk);
+  EXPECT_EQ(len.converted_provenance.adapter_fingerprint, converted.adapter_fingerprint);
+  StoreStats st = store.stats();
+  EXPECT_EQ(st.disk.hit_chunks, 3);
+  EXPECT_EQ(st.promotions, 3);
+  EXPECT_EQ(st.entries, 3);
+  Match m = store.match(spec, tokens);  // now from memory, the same bytes
+  ASSERT_EQ(m.tokens(), 3 * kChunk);
+  DenseKV out(spec, 3 * kChunk, 1);
+  m.copy_to(out.view);
+  EXPECT_TRUE(same_elements(out.view, kv.view));
+  st = store.stats();
+  EXPECT_EQ(st.disk.hit_chunks, 3);
+  EXPECT_EQ(st.memory.hit_chunks, 3);
+}
+
 // The file format of docs/storage.md, checked field by field with an independent XXH3.
 TEST(StoreDisk, FileLayoutMatchesTheSpecification) {
   TempDir dir;

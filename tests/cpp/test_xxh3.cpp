@@ -1,5 +1,6 @@
-// The dispatched XXH3 (AVX2 where the CPU has it) and its streaming form against xxHash's own
-// baseline build, on seeded random data of odd sizes at odd offsets.
+// The dispatched XXH3 (AVX-512 or AVX2 where the CPU has it), its streaming form and each
+// instruction-set build against xxHash's own baseline build, on seeded random data of odd sizes
+// at odd offsets.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -28,6 +29,8 @@ TEST(Xxh3, DispatchedAndStreamingMatchTheBaseline) {
   for (int i = 0; i < 20; ++i) sizes.push_back(rng() % 300000);
   const detail::Xxh3Impl* avx2 = detail::xxh3_avx2_impl();
   const bool has_avx2 = avx2 && __builtin_cpu_supports("avx2");
+  const detail::Xxh3Impl* avx512 = detail::xxh3_avx512_impl();
+  const bool has_avx512 = avx512 && __builtin_cpu_supports("avx512f");
   for (size_t n : sizes) {
     const size_t offset = rng() % 61;  // unaligned starts
     const unsigned char* p = buf.data() + offset;
@@ -41,8 +44,21 @@ TEST(Xxh3, DispatchedAndStreamingMatchTheBaseline) {
     }
     EXPECT_EQ(s.digest(), want) << n;
     if (has_avx2) EXPECT_EQ(avx2->hash128(p, n), want) << n;
+    if (has_avx512) {
+      EXPECT_EQ(avx512->hash128(p, n), want) << n;
+      alignas(64) unsigned char state[1024];  // an XXH3_state_t, driven through the build
+      static_assert(sizeof(XXH3_state_t) <= sizeof(state));
+      avx512->reset(state);
+      for (size_t done = 0; done < n;) {
+        const size_t piece = std::min(n - done, 1 + rng() % 70000);
+        avx512->update(state, p + done, piece);
+        done += piece;
+      }
+      EXPECT_EQ(avx512->digest(state), want) << n;
+    }
   }
-  if (!has_avx2) GTEST_SKIP() << "no AVX2 build or CPU: only the baseline was compared";
+  if (!has_avx2 || !has_avx512)
+    GTEST_SKIP() << "no AVX2 or AVX-512 build or CPU: not every build was compared";
 }
 
 }  // namespace
