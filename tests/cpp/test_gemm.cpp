@@ -18,6 +18,52 @@ struct Case {
   int64_t m, n, k;
 };
 
+// C += A * B (or C = A * B) on seeded normal data, with leading dimensions larger than the
+// logical widths (strided rows).
+struct Problem {
+  Case c;
+  int64_t lda, ldb, ldc;
+  std::vector<float> a, b, cmat, c0;  // c0: C before the call
+  Problem(Case shape, std::mt19937_64& rng)
+      : c(shape), lda(shape.k + 3), ldb(shape.n + 5), ldc(shape.n + 2),
+        a(static_cast<size_t>(shape.m * lda)), b(static_cast<size_t>(shape.k * ldb)),
+        cmat(static_cast<size_t>(shape.m * ldc)) {
+    std::normal_distribution<float> normal;
+    for (float& v : a) v = normal(rng);
+    for (float& v : b) v = normal(rng);
+    for (float& v : cmat) v = normal(rng);
+    c0 = cmat;
+  }
+
+  // Every element of C against the float64 sum of the products of round(A) and round(B) (the
+  // kernel's inputs), within float32 accumulation error: k * eps * sum |terms| (loose by
+  // design); the padding between rows never written.
+  void expect_reference(bool accumulate, float (*round)(float), const std::string& what) const {
+    for (int64_t i = 0; i < c.m; ++i) {
+      for (int64_t j = 0; j < ldc; ++j) {
+        const size_t at = static_cast<size_t>(i * ldc + j);
+        if (j >= c.n) {
+          ASSERT_EQ(cmat[at], c0[at]) << what << " wrote padding at " << i << "," << j;
+          continue;
+        }
+        double ref = accumulate ? c0[at] : 0.0, abs_sum = std::fabs(ref);
+        for (int64_t p = 0; p < c.k; ++p) {
+          const double term = static_cast<double>(round(a[static_cast<size_t>(i * lda + p)])) *
+                              round(b[static_cast<size_t>(p * ldb + j)]);
+          ref += term;
+          abs_sum += std::fabs(term);
+        }
+        const double tol = 2.0 * static_cast<double>(c.k + 1) * 1.2e-7 * abs_sum + 1e-30;
+        ASSERT_NEAR(cmat[at], ref, tol) << what << " m=" << c.m << " n=" << c.n << " k=" << c.k
+                                        << " acc=" << accumulate << " at " << i << "," << j;
+      }
+    }
+  }
+};
+
+float exact(float v) { return v; }
+float to_bf16(float v) { return detail::bf16_to_float(detail::float_to_bf16(v)); }
+
 class GemmIsa : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(GemmIsa, MatchesFloat64ReferenceOnStridedOddSizes) {
@@ -29,41 +75,14 @@ TEST_P(GemmIsa, MatchesFloat64ReferenceOnStridedOddSizes) {
     GTEST_SKIP() << "this CPU cannot run the " << isa << " kernel";
   }
   std::mt19937_64 rng(7);
-  std::normal_distribution<float> normal;
   // Sizes around and across the kernels' register-block edges, plus degenerate ones.
   for (const Case c : {Case{1, 1, 1}, Case{37, 29, 53}, Case{5, 130, 3}, Case{97, 17, 261},
                        Case{64, 64, 64}, Case{203, 129, 300}}) {
     for (bool accumulate : {false, true}) {
-      // Leading dimensions larger than the logical widths: strided rows.
-      const int64_t lda = c.k + 3, ldb = c.n + 5, ldc = c.n + 2;
-      std::vector<float> a(static_cast<size_t>(c.m * lda)), b(static_cast<size_t>(c.k * ldb)),
-          cmat(static_cast<size_t>(c.m * ldc));
-      for (float& v : a) v = normal(rng);
-      for (float& v : b) v = normal(rng);
-      for (float& v : cmat) v = normal(rng);
-      const std::vector<float> c0 = cmat;
-      detail::gemm_f32_isa(isa, c.m, c.n, c.k, a.data(), lda, b.data(), ldb, cmat.data(), ldc,
-                           accumulate);
-      for (int64_t i = 0; i < c.m; ++i) {
-        for (int64_t j = 0; j < ldc; ++j) {
-          const size_t at = static_cast<size_t>(i * ldc + j);
-          if (j >= c.n) {  // padding between rows is never written
-            ASSERT_EQ(cmat[at], c0[at]) << isa << " wrote padding at " << i << "," << j;
-            continue;
-          }
-          double ref = accumulate ? c0[at] : 0.0, abs_sum = std::fabs(ref);
-          for (int64_t p = 0; p < c.k; ++p) {
-            const double term = static_cast<double>(a[static_cast<size_t>(i * lda + p)]) *
-                                b[static_cast<size_t>(p * ldb + j)];
-            ref += term;
-            abs_sum += std::fabs(term);
-          }
-          // float32 accumulation error bound: k * eps * sum |terms| (loose by design).
-          const double tol = 2.0 * static_cast<double>(c.k + 1) * 1.2e-7 * abs_sum + 1e-30;
-          ASSERT_NEAR(cmat[at], ref, tol)
-              << isa << " m=" << c.m << " n=" << c.n << " k=" << c.k << " acc=" << accumulate;
-        }
-      }
+      Problem p(c, rng);
+      detail::gemm_f32_isa(isa, c.m, c.n, c.k, p.a.data(), p.lda, p.b.data(), p.ldb,
+                           p.cmat.data(), p.ldc, accumulate);
+      p.expect_reference(accumulate, exact, isa);
     }
   }
 }
@@ -94,40 +113,14 @@ TEST(GemmDispatch, UnknownKernelIsInvalidArgument) {
 TEST(GemmBf16Amx, MatchesFloat64ReferenceOfRoundedInputsOnStridedOddSizes) {
   if (!detail::amx_bf16_supported()) GTEST_SKIP() << "this CPU does not run AMX bfloat16";
   std::mt19937_64 rng(11);
-  std::normal_distribution<float> normal;
-  auto rounded = [](float v) { return detail::bf16_to_float(detail::float_to_bf16(v)); };
   for (const Case c : {Case{1, 1, 1}, Case{37, 29, 53}, Case{16, 16, 32}, Case{33, 48, 64},
                        Case{5, 130, 3}, Case{97, 17, 261}, Case{203, 256, 1024}}) {
-    const int64_t lda = c.k + 3, ldb = c.n + 1, ldc = c.n + 2;
-    std::vector<float> a(static_cast<size_t>(c.m * lda)), b(static_cast<size_t>(c.k * ldb)),
-        cmat(static_cast<size_t>(c.m * ldc));
-    for (float& v : a) v = normal(rng);
-    for (float& v : b) v = normal(rng);
-    for (float& v : cmat) v = normal(rng);
-    const std::vector<float> c0 = cmat;
-    const detail::Bf16PackedB packed = detail::pack_b_bf16(b.data(), ldb, c.k, c.n);
+    Problem p(c, rng);
+    const detail::Bf16PackedB packed = detail::pack_b_bf16(p.b.data(), p.ldb, c.k, c.n);
     detail::Bf16TiledA tiled;
-    detail::tile_a_bf16(c.m, c.k, a.data(), lda, tiled);
-    detail::gemm_bf16_amx(tiled, packed, cmat.data(), ldc);
-    for (int64_t i = 0; i < c.m; ++i) {
-      for (int64_t j = 0; j < ldc; ++j) {
-        const size_t at = static_cast<size_t>(i * ldc + j);
-        if (j >= c.n) {
-          ASSERT_EQ(cmat[at], c0[at]) << "wrote padding at " << i << "," << j;
-          continue;
-        }
-        double ref = c0[at], abs_sum = std::fabs(ref);
-        for (int64_t p = 0; p < c.k; ++p) {
-          const double term = static_cast<double>(rounded(a[static_cast<size_t>(i * lda + p)])) *
-                              rounded(b[static_cast<size_t>(p * ldb + j)]);
-          ref += term;
-          abs_sum += std::fabs(term);
-        }
-        const double tol = 2.0 * static_cast<double>(c.k + 1) * 1.2e-7 * abs_sum + 1e-30;
-        ASSERT_NEAR(cmat[at], ref, tol) << "m=" << c.m << " n=" << c.n << " k=" << c.k << " at "
-                                        << i << "," << j;
-      }
-    }
+    detail::tile_a_bf16(c.m, c.k, p.a.data(), p.lda, tiled);
+    detail::gemm_bf16_amx(tiled, packed, p.cmat.data(), p.ldc);
+    p.expect_reference(/*accumulate=*/true, to_bf16, "amx");
   }
 }
 
