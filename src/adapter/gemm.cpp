@@ -104,15 +104,13 @@ Bf16PackedB pack_b_bf16(const float* b, int64_t ldb, int64_t k, int64_t n) {
   p.n = n;
   p.k_tiles = (k + kAmxTileK - 1) / kAmxTileK;
   p.n_tiles = (n + kAmxTileCols - 1) / kAmxTileCols;
-  p.tiles.assign(static_cast<size_t>(p.k_tiles * p.n_tiles * (kAmxTileRows * kAmxTileK)), 0);
-  // Tile (nt, kt) holds B[kt*32 + 2r + q][nt*16 + c] at row r, column 2c + q: the pairs of
-  // consecutive k that one dot-product step of the AMX unit takes together.
+  p.tiles.assign(static_cast<size_t>(p.k_tiles * p.n_tiles * kAmxTileElems), 0);
   for (int64_t row = 0; row < k; ++row) {
     const int64_t kt = row / kAmxTileK, r = (row % kAmxTileK) / 2, q = row % 2;
     for (int64_t col = 0; col < n; ++col) {
       const int64_t nt = col / kAmxTileCols, c = col % kAmxTileCols;
-      p.tiles[static_cast<size_t>((nt * p.k_tiles + kt) * (kAmxTileRows * kAmxTileK) + r * kAmxTileK + 2 * c + q)] =
-          float_to_bf16(b[row * ldb + col]);
+      const int64_t at = (nt * p.k_tiles + kt) * kAmxTileElems + r * kAmxTileK + 2 * c + q;
+      p.tiles[static_cast<size_t>(at)] = float_to_bf16(b[row * ldb + col]);
     }
   }
   return p;
@@ -137,7 +135,7 @@ void tile_a_bf16(int64_t m, int64_t k, const float* a, int64_t lda, Bf16TiledA& 
   out.k = k;
   out.k_tiles = (k + kAmxTileK - 1) / kAmxTileK;
   const int64_t m_tiles = (m + kAmxTileRows - 1) / kAmxTileRows;
-  out.tiles.resize(static_cast<size_t>(m_tiles * out.k_tiles * kAmxTileRows * kAmxTileK));
+  out.tiles.resize(static_cast<size_t>(m_tiles * out.k_tiles * kAmxTileElems));
   amx::round_rows(a, lda, m, k, out.k_tiles, out.tiles.data());
 }
 

@@ -32,6 +32,7 @@ void gemm_f32_isa(const char* isa, int64_t m, int64_t n, int64_t k, const float*
 
 /// AMX tile geometry: 16 rows; 32 bfloat16 (A, B) or 16 float32 (C) values per row.
 constexpr int64_t kAmxTileRows = 16, kAmxTileK = 32, kAmxTileCols = 16;
+constexpr int64_t kAmxTileElems = kAmxTileRows * kAmxTileK;  // bfloat16 values per A or B tile
 
 /// B [k, n] rounded to bfloat16 (nearest even) and laid out for the AMX kernel: tiles of 32 k by
 /// 16 n, zero beyond k and n, column tiles outermost; tile (nt, kt) holds B[32 kt + 2 r + q]

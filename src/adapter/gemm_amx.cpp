@@ -26,7 +26,7 @@ namespace {
 constexpr int64_t kRows = kAmxTileRows;  // rows of every tile
 constexpr int64_t kK = kAmxTileK;        // bfloat16 values per A-tile row (64 bytes)
 constexpr int64_t kCols = kAmxTileCols;  // float32 values per C-tile row (64 bytes)
-constexpr int64_t kTileElems = kRows * kK;
+constexpr int64_t kTileElems = kAmxTileElems;
 
 int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
