@@ -20,6 +20,12 @@ struct CudaCacheDeleter {
   void operator()(CudaCache* cache) const noexcept;  // frees the device memory
 };
 
+namespace detail {
+/// An adapter's weights packed for the AMX bfloat16 GEMM: [target layer][kind][source layer of
+/// its `layers`].
+using Bf16Weights = std::vector<std::array<std::vector<Bf16PackedB>, 2>>;
+}  // namespace detail
+
 struct LinearAdapter::Impl {
   ModelSpec source, target;
   FitReport report;
@@ -32,10 +38,9 @@ struct LinearAdapter::Impl {
   /// devices inside it.
   mutable std::mutex cuda_mutex;
   mutable std::unique_ptr<CudaCache, CudaCacheDeleter> cuda_cache;
-  /// The weights packed for the AMX bfloat16 GEMM, [target layer][kind][source layer of
-  /// `layers`], built by the first bfloat16 convert that uses AMX (bf16_weights()).
+  /// Built by the first bfloat16 convert that uses AMX (bf16_weights()).
   mutable std::once_flag bf16_once;
-  mutable std::vector<std::array<std::vector<detail::Bf16PackedB>, 2>> bf16_packed;
+  mutable detail::Bf16Weights bf16_packed;
   /// LinearAdapter::fingerprint(), computed once on first use.
   mutable std::once_flag fingerprint_once;
   mutable std::string fingerprint;
@@ -43,7 +48,7 @@ struct LinearAdapter::Impl {
   int64_t source_width() const { return source.num_kv_heads * source.head_dim; }
   int64_t target_width() const { return target.num_kv_heads * target.head_dim; }
   /// bf16_packed, packed on first call (thread-safe).
-  const std::vector<std::array<std::vector<detail::Bf16PackedB>, 2>>& bf16_weights() const;
+  const detail::Bf16Weights& bf16_weights() const;
 };
 
 /// Checks that a source/target view pair fits the specs (shared by the fitter and the adapter);

@@ -76,7 +76,7 @@ template <typename T>
 void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
                    const KVView& dst, const int64_t* alignment, int64_t target_start_pos,
                    int64_t b0, int64_t n, Workspace<T>& w,
-                   const std::vector<std::array<std::vector<detail::Bf16PackedB>, 2>>* bf16) {
+                   const detail::Bf16Weights* bf16) {
   constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t sw = a.source_width(), tw = a.target_width();
   const bool rope = a.report.rope_aware;
@@ -205,8 +205,7 @@ void check_convert_positions(const KVView& src, int64_t start_pos, const KVView&
 }
 }  // namespace detail
 
-const std::vector<std::array<std::vector<detail::Bf16PackedB>, 2>>&
-LinearAdapter::Impl::bf16_weights() const {
+const detail::Bf16Weights& LinearAdapter::Impl::bf16_weights() const {
   std::call_once(bf16_once, [&] {
     const int64_t features = 2 * source_width(), outputs = target_width();
     bf16_packed.resize(layers.size());
