@@ -21,10 +21,12 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 _NATIVE_TOKEN_DTYPES = (torch.int64, torch.int32)
 
 # The core reads dense CPU tensors itself (KVStore.put_kv, Match.copy_into, token tensors)
-# through their attributes, comparing against these objects.
+# through their attributes, comparing against these objects, and creates the ones
+# KVStore.match_kv returns with torch.empty and torch.empty_like.
 _core._register_torch(torch.Tensor, torch.strided,
                       {**{v: k for k, v in _TORCH_DTYPES.items()},
-                       torch.int64: "int64", torch.int32: "int32"})
+                       torch.int64: "int64", torch.int32: "int32"},
+                      torch.empty, torch.empty_like)
 
 
 def as_tokens(tokens: Any) -> Any:

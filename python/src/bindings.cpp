@@ -391,9 +391,10 @@ PYBIND11_MODULE(_core, m) {
       .def(py::pickle(&spec_state, &spec_from_state));
 
   m.def("_register_torch", &python::register_torch, py::arg("tensor_type"), py::arg("strided"),
-        py::arg("dtypes"),
+        py::arg("dtypes"), py::arg("empty"), py::arg("empty_like"),
         "Hands the core torch.Tensor, torch.strided and {torch dtype: name} for reading tensors "
-        "in place (called once by kvbridge._tensors).");
+        "in place, and torch.empty and torch.empty_like for creating them (called once by "
+        "kvbridge._tensors).");
 
   py::class_<TensorView>(m, "TensorView")
       .def(py::init(&make_view), py::arg("data"), py::arg("dtype"), py::arg("shape"),
@@ -424,8 +425,7 @@ PYBIND11_MODULE(_core, m) {
             std::vector<TensorView> keys, values;
             if (!python::cpu_pair_views(kv, &keys, &values)) return false;
             const KVView dst = KVView::from_hf_layers(keys, values);
-            py::gil_scoped_release release;
-            match.copy_to(dst);
+            python::copy_releasing_gil_if_large(dst.bytes(), [&] { match.copy_to(dst); });
             return true;
           },
           py::arg("kv"),
@@ -533,6 +533,29 @@ PYBIND11_MODULE(_core, m) {
             return store.match(spec, span, ns);
           },
           py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
+      .def(
+          "match_kv",
+          [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,
+             const std::string& ns) -> py::tuple {
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
+            Match found;
+            {
+              py::gil_scoped_release release;
+              found = store.match(spec, span, ns);
+            }
+            if (!found) return py::make_tuple(0, py::none(), "", "");
+            KVView dst;
+            py::tuple kv = python::new_cpu_kv(spec, found.tokens(), &dst);
+            python::copy_releasing_gil_if_large(dst.bytes(), [&] { found.copy_to(dst); });
+            const Provenance p = found.converted_provenance();
+            return py::make_tuple(found.tokens(), std::move(kv), p.source_fingerprint,
+                                  p.adapter_fingerprint);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("namespace"),
+          "(tokens, kv, source fingerprint, adapter fingerprint) of match(): kv is the matched "
+          "prefix copied into a legacy tuple of fresh contiguous CPU torch tensors, None (and "
+          "tokens 0) on a miss.")
       .def(
           "match_length",
           [](KVStore& store, const ModelSpec& spec, const py::handle& tokens,

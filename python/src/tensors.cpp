@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kvbridge/dtype.h"
+#include "kvbridge/error.h"
 
 namespace py = pybind11;
 
@@ -19,10 +20,12 @@ struct TorchObjects {
   struct KnownDType {
     PyObject* object;
     DType dtype;
+    PyObject* cpu_template;  // torch.empty(0, dtype=object, device="cpu"), for new_empty
   };
   std::vector<KnownDType> kv_dtypes;
   PyObject* int64 = nullptr;
   PyObject* int32 = nullptr;
+  PyObject* empty_like = nullptr;  // torch.empty_like
 };
 
 TorchObjects& torch_objects() {
@@ -44,6 +47,7 @@ struct Names {
   PyObject* dtype = interned("dtype");
   PyObject* layout = interned("layout");
   PyObject* is_cpu = interned("is_cpu");
+  PyObject* new_empty = interned("new_empty");
 };
 
 const Names& names() {
@@ -112,7 +116,8 @@ bool read_geometry(PyObject* obj, void** data, std::vector<int64_t>* shape,
 }  // namespace
 
 void register_torch(const py::handle& tensor_type, const py::handle& strided,
-                    const py::dict& dtypes) {
+                    const py::dict& dtypes, const py::handle& empty,
+                    const py::handle& empty_like) {
   TorchObjects& torch = torch_objects();
   torch.kv_dtypes.clear();
   for (const auto& item : dtypes) {
@@ -123,11 +128,14 @@ void register_torch(const py::handle& tensor_type, const py::handle& strided,
     } else if (name == "int32") {
       torch.int32 = object;
     } else {
-      torch.kv_dtypes.push_back({object, parse_dtype(name)});
+      const py::object cpu_template = empty(0, py::arg("dtype") = item.first,
+                                            py::arg("device") = "cpu");
+      torch.kv_dtypes.push_back({object, parse_dtype(name), cpu_template.inc_ref().ptr()});
     }
   }
   torch.strided = strided.inc_ref().ptr();
   torch.tensor_type = tensor_type.inc_ref().ptr();
+  torch.empty_like = empty_like.inc_ref().ptr();
 }
 
 bool cpu_tensor_view(const py::handle& tensor, TensorView* view) {
@@ -186,6 +194,61 @@ bool cpu_int_vector(const py::handle& tensor, const void** data, size_t* size, i
   *size = static_cast<size_t>(shape[0]);
   *stride = strides[0];
   return true;
+}
+
+py::tuple new_cpu_kv(const ModelSpec& spec, int64_t tokens, KVView* dst) {
+  const TorchObjects& torch = torch_objects();
+  PyObject* cpu_template = nullptr;
+  for (const auto& d : torch.kv_dtypes) {
+    if (d.dtype == spec.dtype) {
+      cpu_template = d.cpu_template;
+      break;
+    }
+  }
+  KVB_CHECK_AS(Error, cpu_template && torch.empty_like,
+               "no torch dtype registered for " << dtype_name(spec.dtype)
+                                                << " (kvbridge._tensors registers torch)");
+  const Names& n = names();
+  const int64_t layers = spec.num_layers, heads = spec.num_kv_heads, head_dim = spec.head_dim;
+  // The first tensor is cpu_template.new_empty(1, heads, tokens, head_dim): the template gives
+  // the dtype and the CPU device (torch.empty would follow a `with torch.device(...)` block),
+  // and sizes by position cost less than a size tuple or a dtype keyword. The others are
+  // torch.empty_like(first), cheaper still.
+  const py::int_ one(1), h(heads), t(tokens), d(head_dim);
+  PyObject* args[] = {cpu_template, one.ptr(), h.ptr(), t.ptr(), d.ptr()};
+  const py::object first = py::reinterpret_steal<py::object>(PyObject_VectorcallMethod(
+      n.new_empty, args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+  if (!first) throw py::error_already_set();
+  std::vector<KVPlane> planes(static_cast<size_t>(2 * layers));
+  py::tuple kv(static_cast<size_t>(layers));
+  for (int64_t l = 0; l < layers; ++l) {
+    py::tuple pair(2);
+    for (int kind = 0; kind < 2; ++kind) {
+      py::object tensor =
+          l == 0 && kind == 0
+              ? first
+              : py::reinterpret_steal<py::object>(
+                    PyObject_CallOneArg(torch.empty_like, first.ptr()));
+      if (!tensor) throw py::error_already_set();
+      // Written through its pointer below: only CPU memory will do (a torch mode could have
+      // made something else).
+      KVB_CHECK_AS(Error, attr_or_null(tensor.ptr(), n.is_cpu).ptr() == Py_True,
+                   "torch made a tensor that is not on the CPU for the matched KV");
+      const py::object ptr = py::reinterpret_steal<py::object>(
+          PyObject_CallMethodNoArgs(tensor.ptr(), n.data_ptr));
+      if (!ptr) throw py::error_already_set();
+      void* data = PyLong_AsVoidPtr(ptr.ptr());
+      if (!data && PyErr_Occurred()) throw py::error_already_set();
+      KVB_CHECK_AS(Error, data, "torch made a tensor without data for the matched KV");
+      // Contiguous [1, heads, tokens, head_dim]: element strides head_dim along tokens,
+      // tokens * head_dim along heads.
+      planes[static_cast<size_t>(2 * l + kind)] = KVPlane{data, head_dim, tokens * head_dim, 1};
+      PyTuple_SET_ITEM(pair.ptr(), kind, tensor.release().ptr());
+    }
+    PyTuple_SET_ITEM(kv.ptr(), l, pair.release().ptr());
+  }
+  *dst = KVView::from_planes(std::move(planes), spec.dtype, Device{}, tokens, heads, head_dim);
+  return kv;
 }
 
 }  // namespace kvbridge::python
