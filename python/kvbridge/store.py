@@ -8,8 +8,7 @@ from typing import Any, Iterable, List, Optional, Union
 import torch
 
 from kvbridge import _args, _core
-from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
-                               legacy_to_cache)
+from kvbridge._tensors import KVCache, as_tokens, host_kv, kv_views, legacy_to_cache
 from kvbridge._core import InvalidArgumentError
 
 
@@ -156,18 +155,13 @@ class KVStore:
         if not return_kv:  # the length only: nothing pinned, no Match object in between
             n, converted_from, adapter = self._store.match_length(spec, ids, ns)
             return Match(n, None, converted_from, adapter) if n else Match(0, None)
-        found = self._store.match(spec, ids, ns)
-        if found.tokens == 0:
+        # One call: the lookup, fresh CPU tensors and the copy into them.
+        n, kv, converted_from, adapter = self._store.match_kv(spec, ids, ns)
+        if n == 0:
             return Match(0, None)
-        converted_from, adapter = found.converted_provenance()
-        kv = empty_kv(spec, found.tokens)
-        if not found.copy_into(kv):  # always taken for empty_kv's CPU tensors
-            keys, values = kv_views(kv)
-            found.copy_to(keys, values)
         if device is not None and torch.device(device).type != "cpu":
             kv = tuple((k.to(device), v.to(device)) for k, v in kv)
-        return Match(found.tokens, legacy_to_cache(kv) if as_cache else kv, converted_from,
-                     adapter)
+        return Match(n, legacy_to_cache(kv) if as_cache else kv, converted_from, adapter)
 
     def erase(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default",
               tiers: Iterable[str] = ("memory", "disk", "redis")) -> int:
