@@ -2,6 +2,8 @@
 against the general path through TensorView objects, on seeded random data, odd sizes, strided
 and offset tensors; and input the in-place readers do not take, which must still be checked and
 refused (or served) by the general path."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -142,3 +144,106 @@ def test_token_tensors_out_of_range_or_bad_shape_are_refused(spec):
         store.match(spec, torch.zeros(2, 4, dtype=torch.int64))
     with pytest.raises(TypeError):
         store.match(spec, torch.zeros(4, dtype=torch.float32))
+
+
+def reference_kv(found, spec):
+    """The matched prefix through the general path: Match.copy_to into TensorViews."""
+    out = empty_kv(spec, found.tokens)
+    found.copy_to(*kv_views(out))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("geometry", [(1, 1, 2), (3, 3, 14), (2, 5, 6)])
+def test_match_returns_fresh_independent_tensors(dtype, geometry):
+    """KVStore.match's kv (KVStore.match_kv: tensors created and filled by the core) is a tuple of
+    (key, value) tuples of new contiguous CPU tensors, equal to what was put and to the general
+    copy path, sharing memory with nothing: not each other, not the store, not a later match."""
+    layers, heads, head_dim = geometry
+    spec = kvbridge.ModelSpec("m", layers, heads, head_dim, dtype=dtype)
+    store = kvbridge.KVStore(1 << 24, chunk_tokens=8)
+    tokens = np.random.default_rng(7).integers(0, 1 << 31, size=5 * 8 + 3)
+    kv = random_kv(spec, len(tokens), seed=12)
+    assert all(t.abs().sum() > 0 for pair in kv for t in pair)
+    assert store.put(spec, tokens, kv) == 40
+    m = store.match(spec, tokens)
+    assert m.tokens == 40 and (m.converted_from, m.adapter) == ("", "")
+    assert type(m.kv) is tuple and len(m.kv) == layers
+    expected = reference_kv(store._store.match(spec, tokens, "default"), spec)
+    tensors = []
+    for (k, v), (k0, v0), (ke, ve) in zip(m.kv, kv, expected):
+        for t in (k, v):
+            assert type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided
+            assert t.shape == (1, heads, 40, head_dim) and t.dtype == getattr(torch, dtype)
+            assert t.is_contiguous() and not t.requires_grad
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert torch.equal(k, k0[:, :, :40]) and torch.equal(v, v0[:, :, :40])
+        assert torch.equal(k, ke) and torch.equal(v, ve)
+        tensors += [k, v]
+    assert len({t.data_ptr() for t in tensors}) == 2 * layers
+    # Writing one returned tensor changes no other one, and not what the store holds.
+    before = [t.clone() for t in tensors]
+    tensors[0].add_(1)
+    assert not torch.equal(tensors[0], before[0])
+    assert all(torch.equal(t, b) for t, b in zip(tensors[1:], before[1:]))
+    again = store.match(spec, tokens)
+    assert all(torch.equal(t, b) for t, b in zip((t for p in again.kv for t in p), before))
+    assert again.kv[0][0].data_ptr() not in {t.data_ptr() for t in tensors}
+    # Nor does writing the tensors that were put.
+    kv[0][0].add_(1)
+    assert torch.equal(store.match(spec, tokens).kv[0][0], before[0])
+
+
+def test_match_kv_binding_miss_hit_and_device():
+    spec = kvbridge.ModelSpec("m", 2, 3, 10, dtype="bfloat16")
+    store = kvbridge.KVStore(1 << 24, chunk_tokens=4)
+    tokens = list(range(300, 311))
+    kv = random_kv(spec, 11, seed=21)
+    assert store._store.match_kv(spec, tokens, "default") == (0, None, "", "")
+    miss = store.match(spec, tokens)
+    assert miss == kvbridge.Match(0, None)
+    source_fp, adapter_fp = "1" * 32, "a" * 32
+    store.put(spec, tokens, kv, converted_from=source_fp, adapter=adapter_fp)
+    n, got, converted_from, adapter = store._store.match_kv(spec, tokens, "default")
+    assert (n, converted_from, adapter) == (8, source_fp, adapter_fp)
+    assert all(torch.equal(k, k0[:, :, :8]) and torch.equal(v, v0[:, :, :8])
+               for (k, v), (k0, v0) in zip(got, kv))
+    assert store._store.match_kv(spec, tokens, "other") == (0, None, "", "")
+    for device in ("cpu", torch.device("cpu")):
+        m = store.match(spec, tokens, device=device)
+        assert (m.tokens, m.converted_from, m.adapter) == (8, source_fp, adapter_fp)
+        assert all(torch.equal(a, b) for pa, pb in zip(m.kv, got) for a, b in zip(pa, pb))
+    # The tensors are CPU ones whatever torch's default device (here a `with` block's).
+    with torch.device("meta"):
+        m = store.match(spec, tokens)
+    assert all(t.is_cpu and torch.equal(t, b) for pa, pb in zip(m.kv, got)
+               for t, b in zip(pa, pb))
+
+
+def test_large_match_copies_release_the_gil_and_stay_exact():
+    """Copies of at least 256 KiB run without the GIL: threads matching such prefixes at once
+    each get exactly what was put."""
+    spec = kvbridge.ModelSpec("big", 4, 8, 66, dtype="float16")
+    store = kvbridge.KVStore(1 << 26, chunk_tokens=16)
+    prompts = [list(range(p * 1000, p * 1000 + 96)) for p in range(4)]
+    kvs = [random_kv(spec, 96, seed=30 + p) for p in range(4)]
+    assert spec.kv_bytes_per_token() * 96 >= 256 << 10
+    for p, kv in zip(prompts, kvs):
+        assert store.put(spec, p, kv) == 96
+    errors = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            p = int(rng.integers(len(prompts)))
+            m = store.match(spec, prompts[p])
+            if m.tokens != 96 or not all(torch.equal(a, b) for pa, pb in zip(m.kv, kvs[p])
+                                         for a, b in zip(pa, pb)):
+                errors.append(p)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
