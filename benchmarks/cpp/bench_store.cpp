@@ -126,6 +126,37 @@ void BM_KVStoreMatch(benchmark::State& state) {
   report_per_16_tokens(state, n);
 }
 
+// KVStore::match_length: the same walk without pinning, what KVStore.match(return_kv=False)
+// runs from Python.
+void BM_KVStoreMatchLength(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  const int64_t chunk = state.range(1);
+  const ModelSpec spec = tiny_spec();
+  StoreOptions opt;
+  opt.chunk_tokens = chunk;
+  opt.capacity_bytes = int64_t{1} << 30;
+  KVStore store(opt);
+  const std::vector<int64_t> tokens = random_tokens(static_cast<size_t>(n), 42);
+  const std::vector<unsigned char>& kv_bytes =
+      random_bytes(static_cast<size_t>(spec.kv_bytes_per_token() * n));
+  const KVView kv = KVView::contiguous(const_cast<unsigned char*>(kv_bytes.data()), spec.dtype,
+                                       Device{}, spec.num_layers, n, spec.num_kv_heads,
+                                       spec.head_dim);
+  if (store.put(spec, tokens, kv) != n) {
+    state.SkipWithError("put did not store the whole prompt");
+    return;
+  }
+  for (auto _ : state) {
+    const kvbridge::MatchLength m = store.match_length(spec, tokens);
+    if (m.tokens != n) {
+      state.SkipWithError("match_length did not return the whole prompt");
+      break;
+    }
+    benchmark::DoNotOptimize(m.tokens);
+  }
+  report_per_16_tokens(state, n);
+}
+
 // Breakdown, not a peer: the hashing part of KVStore::match alone (prefix_salt + prefix_hashes,
 // which also run check_tokens), no index lookup. match minus this is lookup + pinning.
 void BM_PrefixHashesOnly(benchmark::State& state) {
@@ -250,6 +281,9 @@ void PromptArgs(benchmark::internal::Benchmark* b, bool with_chunk) {
 }
 
 BENCHMARK(BM_KVStoreMatch)
+    ->ArgNames({"tokens", "chunk"})
+    ->Apply([](benchmark::internal::Benchmark* b) { PromptArgs(b, true); });
+BENCHMARK(BM_KVStoreMatchLength)
     ->ArgNames({"tokens", "chunk"})
     ->Apply([](benchmark::internal::Benchmark* b) { PromptArgs(b, true); });
 BENCHMARK(BM_PrefixHashesOnly)
