@@ -1,5 +1,6 @@
 #include "src/core/xxh3.h"
 
+#include <cstring>
 #include <new>
 
 #include "src/core/xxh3_impl.h"
@@ -44,6 +45,20 @@ const Xxh3Impl& impl() {
 }  // namespace
 
 Hash128 xxh3_128(const void* data, size_t size) noexcept { return impl().hash128(data, size); }
+
+void xxh3_128_chain16(Hash128 previous, const uint32_t* ids, size_t n, Hash128* out) noexcept {
+  uint64_t low = previous.low, high = previous.high;
+  for (size_t i = 0; i < n; ++i) {
+    unsigned char buf[16 + 4 * 16];
+    std::memcpy(buf, &low, 8);
+    std::memcpy(buf + 8, &high, 8);
+    std::memcpy(buf + 16, ids + 16 * i, 4 * 16);
+    const XXH128_hash_t h = XXH3_128bits(buf, sizeof buf);  // short input: no SIMD build
+    out[i] = Hash128{h.low64, h.high64};
+    low = h.low64;
+    high = h.high64;
+  }
+}
 
 Xxh3Stream::Xxh3Stream() : state_(XXH3_createState()) {
   if (!state_) throw std::bad_alloc();

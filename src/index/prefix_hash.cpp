@@ -142,6 +142,7 @@ Hash128 chain_hash(const Hash128& previous, const int64_t* chunk, int64_t count)
 namespace detail {
 
 void chain_hashes(Hash128 previous, const uint32_t* ids, int64_t chunk, size_t n, Hash128* out) {
+  if (kLittleEndianHost && chunk == 16) return xxh3_128_chain16(previous, ids, n, out);
   uint64_t low = previous.low, high = previous.high;
   for (size_t i = 0; i < n; ++i) {
     const Hash128 h = chain_step(low, high, ids + static_cast<int64_t>(i) * chunk, chunk);

@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "src/core/byte_order.h"
 #include "src/core/xxh3.h"
 #include "src/core/xxh3_impl.h"
 
@@ -59,6 +60,40 @@ TEST(Xxh3, DispatchedAndStreamingMatchTheBaseline) {
   }
   if (!has_avx2 || !has_avx512)
     GTEST_SKIP() << "no AVX2 or AVX-512 build or CPU: not every build was compared";
+}
+
+}  // namespace
+}  // namespace kvbridge
+
+namespace kvbridge {
+namespace {
+
+// The inlined chain over 16-id chunks against xxh3_128 of each step's 80-byte buffer built by
+// hand (previous key's halves little-endian, then the ids), on seeded random keys and ids.
+TEST(Xxh3, Chain16MatchesHashOfEachBuffer) {
+  if (!detail::kLittleEndianHost) GTEST_SKIP() << "the 16-id chain is used on little-endian hosts";
+  std::mt19937_64 rng(16);
+  for (size_t n : {size_t{1}, size_t{2}, size_t{7}, size_t{33}}) {
+    std::vector<uint32_t> ids(16 * n);
+    for (auto& id : ids) id = static_cast<uint32_t>(rng());
+    const Hash128 first{rng(), rng()};
+    std::vector<Hash128> got(n);
+    detail::xxh3_128_chain16(first, ids.data(), n, got.data());
+    Hash128 previous = first;
+    for (size_t i = 0; i < n; ++i) {
+      unsigned char buf[80];
+      for (int b = 0; b < 8; ++b) {
+        buf[b] = static_cast<unsigned char>(previous.low >> (8 * b));
+        buf[8 + b] = static_cast<unsigned char>(previous.high >> (8 * b));
+      }
+      for (int t = 0; t < 16; ++t)
+        for (int b = 0; b < 4; ++b)
+          buf[16 + 4 * t + b] = static_cast<unsigned char>(ids[16 * i + t] >> (8 * b));
+      const Hash128 want = reference(buf, sizeof buf);
+      ASSERT_EQ(got[i], want) << "n " << n << ", step " << i;
+      previous = want;
+    }
+  }
 }
 
 }  // namespace
