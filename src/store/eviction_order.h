@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iterator>
 #include <list>
 #include <set>
 #include <tuple>
@@ -31,6 +32,7 @@ class EvictionOrder {
   EvictionPolicy policy() const noexcept { return policy_; }
 
   Handle insert(const Hash128& key, int64_t created_ms) {
+    settle();
     Handle h;
     h.uses = 1;
     if (policy_ == EvictionPolicy::kLRU) {
@@ -43,10 +45,21 @@ class EvictionOrder {
     return h;
   }
 
+  /// A use of h's entry. Under LRU the move to the front waits until the next call of another
+  /// method (or settle()), so that uses of neighbours walking towards the front, as a prefix
+  /// lookup makes them each time it hits the same prefix again, move as one range: one splice
+  /// instead of one per entry, and none when the range is at the front already. The order
+  /// every other method sees is the one of moving each entry in turn.
   void touch(Handle& h, const Hash128& key) {
     ++h.uses;
     if (policy_ == EvictionPolicy::kLRU) {
-      lru_.splice(lru_.begin(), lru_, h.pos);
+      if (pending_ && std::next(h.pos) == pending_front_) {
+        pending_front_ = h.pos;  // the entry just before the range: it joins at the front
+      } else {
+        settle();
+        pending_ = true;
+        pending_front_ = pending_back_ = h.pos;
+      }
     } else if (policy_ == EvictionPolicy::kLFU) {
       ranks_.erase(h.rank);
       h.rank = ranks_.emplace(h.uses, ++seq_, key.low, key.high).first;
@@ -62,7 +75,16 @@ class EvictionOrder {
 #endif
   }
 
+  /// Moves the pending uses' range to the front.
+  void settle() {
+    if (!pending_) return;
+    pending_ = false;
+    if (pending_front_ != lru_.begin())
+      lru_.splice(lru_.begin(), lru_, pending_front_, std::next(pending_back_));
+  }
+
   void erase(const Handle& h) {
+    settle();
     if (policy_ == EvictionPolicy::kLRU) {
       lru_.erase(h.pos);
     } else {
@@ -71,13 +93,15 @@ class EvictionOrder {
   }
 
   void clear() {
+    pending_ = false;
     lru_.clear();
     ranks_.clear();
   }
 
   /// Calls f(key) for entries coldest first until f returns true; returns whether it did.
   template <class F>
-  bool find_coldest(F&& f) const {
+  bool find_coldest(F&& f) {
+    settle();
     if (policy_ == EvictionPolicy::kLRU) {
       for (auto it = lru_.rbegin(); it != lru_.rend(); ++it)
         if (f(*it)) return true;
@@ -91,6 +115,10 @@ class EvictionOrder {
  private:
   EvictionPolicy policy_;
   std::list<Hash128> lru_;
+  // LRU uses not yet moved: the range [pending_front_, pending_back_] of lru_, front first,
+  // whose entries were used back to front.
+  bool pending_ = false;
+  std::list<Hash128>::iterator pending_front_, pending_back_;
   std::set<Rank> ranks_;
   uint64_t seq_ = 0;
 };
