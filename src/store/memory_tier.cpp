@@ -150,12 +150,10 @@ MemoryTier::PrefixRun MemoryTier::pin_prefix(
       Slot* slot = shards_[shard_of[found]]->map.find(keys[found]);
       if (!slot) break;
       slots[found - block] = slot;
-      // Salt, parent and the ids the compare reads: 112 bytes from a 16-byte aligned start, so
-      // up to three lines (the third, which holds the ids' count, was a miss on most hits).
+      // Salt, parent and the ids the compare reads: two lines (the entry is line aligned).
       const char* entry = reinterpret_cast<const char*>(slot->entry.get());
       __builtin_prefetch(entry);
       __builtin_prefetch(entry + 64);
-      __builtin_prefetch(reinterpret_cast<const char*>(&slot->entry->kv) - 1);
       if (converted) __builtin_prefetch(slot->entry->provenance.adapter.data());  // a third line
       shards_[shard_of[found]]->order.prefetch(slot->order);
     }

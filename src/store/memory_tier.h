@@ -116,7 +116,8 @@ struct ChunkShape {
   int64_t payload_bytes = 0;  // stored bytes of one chunk (stored_payload_bytes)
 };
 
-struct ChunkEntry {
+// Cache-line aligned: a lookup compares salt, parent and ids (the first 104 bytes), two lines.
+struct alignas(64) ChunkEntry {
   Hash128 salt;
   Hash128 parent;
   ChunkTokens tokens;  // chunk ids
