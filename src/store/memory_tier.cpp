@@ -154,7 +154,6 @@ MemoryTier::PrefixRun MemoryTier::pin_prefix(
       const char* entry = reinterpret_cast<const char*>(slot->entry.get());
       __builtin_prefetch(entry);
       __builtin_prefetch(entry + 64);
-      if (converted) __builtin_prefetch(slot->entry->provenance.adapter.data());  // a third line
       shards_[shard_of[found]]->order.prefetch(slot->order);
     }
     for (size_t i = block; i < end; ++i, ++run.hits) {
@@ -178,7 +177,7 @@ MemoryTier::PrefixRun MemoryTier::pin_prefix(
       s.order.touch(slot->order, keys[i]);
       if (pins) {
         pins->push_back(slot->entry);
-      } else if (converted && !converted->converted() && slot->entry->provenance.converted()) {
+      } else if (converted && !converted->converted() && slot->converted) {
         *converted = slot->entry->provenance;
       }
     }
@@ -240,6 +239,7 @@ MemoryTier::Probe MemoryTier::insert(const Hash128& key, std::shared_ptr<ChunkEn
   *pin = entry;
   const int64_t created = entry->created_ms;
   Slot& slot = s.map.insert(key);
+  slot.converted = entry->provenance.converted();
   slot.entry = std::move(entry);
   slot.order = s.order.insert(key, created);
   entries_.fetch_add(1, std::memory_order_relaxed);

@@ -262,6 +262,9 @@ class MemoryTier {
   struct Slot {
     std::shared_ptr<ChunkEntry> entry;
     EvictionOrder::Handle order;
+    // entry->provenance.converted(), fixed before the entry is indexed: a length-only lookup
+    // reads it here instead of a third line of every entry.
+    bool converted = false;
     explicit operator bool() const noexcept { return entry != nullptr; }  // in use
   };
 
