@@ -125,21 +125,23 @@ def ratio(a, b):
 
 def prefix_table(med):
     lines = [
-        "| prompt tokens | kvbridge match, chunk 16 | kvbridge match, chunk 256 "
+        "| prompt tokens | kvbridge match, chunk 16 | kvbridge match_length, chunk 16 "
+        "| kvbridge match, chunk 256 "
         "| kvbridge hashing only, chunk 16 | sha256 C++ (EVP_Digest) | sha256 C++ (reused EVP ctx) "
         "| kvbridge speedup vs EVP_Digest | kvbridge speedup vs reused ctx "
         f"| chunk 16 <= {NS_TARGET:.0f} ns? |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for n in PROMPTS:
         k16 = get(med, f"BM_KVStoreMatch/tokens:{n}/chunk:16", "ns_per_16_tokens")
+        len16 = get(med, f"BM_KVStoreMatchLength/tokens:{n}/chunk:16", "ns_per_16_tokens")
         k256 = get(med, f"BM_KVStoreMatch/tokens:{n}/chunk:256", "ns_per_16_tokens")
         h16 = get(med, f"BM_PrefixHashesOnly/tokens:{n}/chunk:16", "ns_per_16_tokens")
         s1 = get(med, f"BM_Sha256ChainMatch_EVPDigest/tokens:{n}", "ns_per_16_tokens")
         s2 = get(med, f"BM_Sha256ChainMatch_ReusedCtx/tokens:{n}", "ns_per_16_tokens")
         ok = "n/a" if k16 is None else ("yes" if k16 <= NS_TARGET else "**no**")
         lines.append(
-            f"| {n} | {fmt(k16)} | {fmt(k256)} | {fmt(h16)} | {fmt(s1)} | {fmt(s2)} "
+            f"| {n} | {fmt(k16)} | {fmt(len16)} | {fmt(k256)} | {fmt(h16)} | {fmt(s1)} | {fmt(s2)} "
             f"| {fmt(ratio(s1, k16), 1, 'x')} | {fmt(ratio(s2, k16), 1, 'x')} | {ok} |"
         )
     return lines
