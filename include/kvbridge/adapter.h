@@ -207,8 +207,10 @@ class LinearAdapter {
 };
 
 /// The GEMM kernel that LinearAdapter::convert of CPU views into a target of `target_dtype`
-/// runs on this machine: "amx-bf16" (bfloat16 inputs on AMX tiles), or the float32 kernel
-/// "avx512", "avx2" or "generic". Chosen once per process from the CPU and KVBRIDGE_CPU_ISA.
+/// runs on this machine: for bfloat16 targets "amx-bf16" (bfloat16 inputs on AMX tiles) or
+/// "avx512-bf16" (AVX512-BF16 dot products) where the CPU has them, else the float32 kernel
+/// "avx512", "avx2" or "generic". Chosen once per process from the CPU and KVBRIDGE_CPU_ISA
+/// ("amx", "avx512bf16", "avx512", "avx2" or "generic" caps the choice).
 const char* cpu_convert_kernel(DType target_dtype) noexcept;
 
 /// Accumulates paired samples and solves the ridge regressions.

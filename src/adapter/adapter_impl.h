@@ -21,8 +21,8 @@ struct CudaCacheDeleter {
 };
 
 namespace detail {
-/// An adapter's weights packed for the AMX bfloat16 GEMM: [target layer][kind][source layer of
-/// its `layers`].
+/// An adapter's weights packed for the bfloat16 GEMM (detail::gemm_bf16): [target layer][kind]
+/// [source layer of its `layers`].
 using Bf16Weights = std::vector<std::array<std::vector<Bf16PackedB>, 2>>;
 }  // namespace detail
 
@@ -38,7 +38,7 @@ struct LinearAdapter::Impl {
   /// devices inside it.
   mutable std::mutex cuda_mutex;
   mutable std::unique_ptr<CudaCache, CudaCacheDeleter> cuda_cache;
-  /// Built by the first bfloat16 convert that uses AMX (bf16_weights()).
+  /// Built by the first bfloat16 convert that uses the bfloat16 GEMM (bf16_weights()).
   mutable std::once_flag bf16_once;
   mutable detail::Bf16Weights bf16_packed;
   /// LinearAdapter::fingerprint(), computed once on first use.

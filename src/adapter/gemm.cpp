@@ -61,9 +61,11 @@ const Kernel* find_kernel(const char* name) {
   return nullptr;
 }
 
-// KVBRIDGE_CPU_ISA, unset or empty: no cap. "amx" caps nothing either: it is the widest.
+// KVBRIDGE_CPU_ISA, unset or empty: no cap. Nor do the bfloat16 kernels' names ("amx",
+// "avx512bf16"), which lie above every float32 kernel.
 bool uncapped(const char* cap) {
-  return cap == nullptr || *cap == '\0' || std::strcmp(cap, "amx") == 0;
+  return cap == nullptr || *cap == '\0' || std::strcmp(cap, "amx") == 0 ||
+         std::strcmp(cap, "avx512bf16") == 0;
 }
 
 const Kernel& chosen_kernel() {
@@ -116,19 +118,65 @@ Bf16PackedB pack_b_bf16(const float* b, int64_t ldb, int64_t k, int64_t n) {
   return p;
 }
 
-bool amx_bf16_supported() {
-  static const bool supported = amx::supported();
-  return supported;
+namespace {
+
+struct Bf16Kernel {
+  const char* name;
+  const char* cap;  // the KVBRIDGE_CPU_ISA name that still allows it
+  bool (*supported)();
+  void (*multiply)(int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*,
+                   int64_t);
+};
+
+// Widest first. Both read A rounded by avx512bf16::round_rows: every AMX-BF16 CPU has
+// AVX512-BF16.
+bool amx_runs() { return avx512bf16::supported() && amx::supported(); }
+constexpr Bf16Kernel kBf16Kernels[] = {
+    {"amx-bf16", "amx", amx_runs, amx::multiply},
+    {"avx512-bf16", "avx512bf16", avx512bf16::supported, avx512bf16::multiply},
+};
+
+const Bf16Kernel* find_bf16_kernel(const char* name) {
+  for (const Bf16Kernel& k : kBf16Kernels)
+    if (std::strcmp(k.name, name) == 0) return &k;
+  return nullptr;
 }
 
-bool convert_uses_amx() {
-  static const bool uses = uncapped(std::getenv("KVBRIDGE_CPU_ISA")) && amx_bf16_supported();
-  return uses;
+// Each kernel's support, asked once (AMX asks the OS for the tile state).
+bool bf16_kernel_runs(const Bf16Kernel& k) {
+  static const bool runs[] = {kBf16Kernels[0].supported(), kBf16Kernels[1].supported()};
+  static_assert(sizeof(runs) / sizeof(runs[0]) == sizeof(kBf16Kernels) / sizeof(kBf16Kernels[0]));
+  return runs[&k - kBf16Kernels];
+}
+
+const Bf16Kernel* chosen_bf16_kernel() {
+  static const Bf16Kernel* chosen = []() -> const Bf16Kernel* {
+    const char* cap = std::getenv("KVBRIDGE_CPU_ISA");
+    bool allowed = cap == nullptr || *cap == '\0';
+    for (const Bf16Kernel& k : kBf16Kernels) {
+      allowed = allowed || std::strcmp(k.cap, cap) == 0;
+      if (allowed && bf16_kernel_runs(k)) return &k;
+    }
+    return nullptr;
+  }();
+  return chosen;
+}
+
+void check_shapes(const Bf16TiledA& a, const Bf16PackedB& b, int64_t ldc) {
+  KVB_CHECK(a.k == b.k && a.k_tiles == b.k_tiles && ldc >= b.n,
+            "gemm_bf16: A has k=" << a.k << ", B k=" << b.k << " n=" << b.n << ", ldc=" << ldc);
+}
+
+}  // namespace
+
+const char* bf16_gemm_kernel() {
+  const Bf16Kernel* k = chosen_bf16_kernel();
+  return k ? k->name : nullptr;
 }
 
 void tile_a_bf16(int64_t m, int64_t k, const float* a, int64_t lda, Bf16TiledA& out) {
-  KVB_CHECK_AS(Unavailable, amx_bf16_supported(),
-               "this CPU (or this build of kvbridge) does not run AMX bfloat16");
+  KVB_CHECK_AS(Unavailable, bf16_kernel_runs(kBf16Kernels[1]),
+               "this CPU (or this build of kvbridge) has no bfloat16 GEMM");
   KVB_CHECK(m >= 0 && k > 0 && lda >= k,
             "tile_a_bf16: bad shape m=" << m << " k=" << k << " lda=" << lda);
   out.m = m;
@@ -136,17 +184,28 @@ void tile_a_bf16(int64_t m, int64_t k, const float* a, int64_t lda, Bf16TiledA& 
   out.k_tiles = (k + kAmxTileK - 1) / kAmxTileK;
   const int64_t m_tiles = (m + kAmxTileRows - 1) / kAmxTileRows;
   out.tiles.resize(static_cast<size_t>(m_tiles * out.k_tiles * kAmxTileElems));
-  amx::round_rows(a, lda, m, k, out.k_tiles, out.tiles.data());
+  avx512bf16::round_rows(a, lda, m, k, out.k_tiles, out.tiles.data());
 }
 
-void gemm_bf16_amx(const Bf16TiledA& a, const Bf16PackedB& b, float* c, int64_t ldc) {
-  KVB_CHECK_AS(Unavailable, amx_bf16_supported(),
-               "this CPU (or this build of kvbridge) does not run AMX bfloat16");
-  KVB_CHECK(a.k == b.k && a.k_tiles == b.k_tiles && ldc >= b.n,
-            "gemm_bf16_amx: A has k=" << a.k << ", B k=" << b.k << " n=" << b.n
-                                      << ", ldc=" << ldc);
+void gemm_bf16(const Bf16TiledA& a, const Bf16PackedB& b, float* c, int64_t ldc) {
+  const Bf16Kernel* kernel = chosen_bf16_kernel();
+  KVB_CHECK_AS(Unavailable, kernel != nullptr,
+               "this CPU (or this build of kvbridge) has no bfloat16 GEMM");
+  check_shapes(a, b, ldc);
   if (a.m == 0) return;
-  amx::multiply(a.m, a.tiles.data(), b.tiles.data(), b.k_tiles, b.n_tiles, b.n, c, ldc);
+  kernel->multiply(a.m, a.tiles.data(), b.tiles.data(), b.k_tiles, b.n_tiles, b.n, c, ldc);
+}
+
+void gemm_bf16_kernel(const char* name, const Bf16TiledA& a, const Bf16PackedB& b, float* c,
+                      int64_t ldc) {
+  const Bf16Kernel* kernel = find_bf16_kernel(name);
+  KVB_CHECK(kernel != nullptr,
+            "unknown bfloat16 kernel '" << name << "' (amx-bf16 or avx512-bf16)");
+  KVB_CHECK_AS(Unavailable, bf16_kernel_runs(*kernel),
+               "this CPU (or this build of kvbridge) cannot run the " << name << " kernel");
+  check_shapes(a, b, ldc);
+  if (a.m == 0) return;
+  kernel->multiply(a.m, a.tiles.data(), b.tiles.data(), b.k_tiles, b.n_tiles, b.n, c, ldc);
 }
 
 }  // namespace kvbridge::detail

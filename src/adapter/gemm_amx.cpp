@@ -124,25 +124,6 @@ bool supported() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-void round_rows(const float* a, int64_t lda, int64_t m, int64_t k, int64_t k_tiles,
-                uint16_t* a_tiles) {
-  const int64_t m_tiles = (m + kRows - 1) / kRows;
-  for (int64_t i = 0; i < m_tiles * kRows; ++i) {
-    const float* src = a + (i < m ? i : 0) * lda;  // rows past m: all lanes masked off
-    uint16_t* dst = a_tiles + (i / kRows) * k_tiles * kTileElems + (i % kRows) * kK;
-    for (int64_t kt = 0; kt < k_tiles; ++kt, dst += kTileElems) {
-      const int64_t left = i < m ? k - kt * kK : 0;
-      const __mmask16 lo_mask =
-          left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-      const __mmask16 hi_mask =
-          left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
-      const __m512 lo = _mm512_maskz_loadu_ps(lo_mask, src + kt * kK);
-      const __m512 hi = _mm512_maskz_loadu_ps(hi_mask, src + kt * kK + 16);
-      _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-    }
-  }
-}
-
 void multiply(int64_t m, const uint16_t* a_tiles, const uint16_t* b_tiles, int64_t k_tiles,
               int64_t n_tiles, int64_t n, float* c, int64_t ldc) {
   TileConfig config;
@@ -174,7 +155,6 @@ void multiply(int64_t m, const uint16_t* a_tiles, const uint16_t* b_tiles, int64
 #else  // a build without the AMX flags: never supported, never called
 
 bool supported() { return false; }
-void round_rows(const float*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
 void multiply(int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*,
               int64_t) {}
 

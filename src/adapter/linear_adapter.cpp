@@ -28,14 +28,15 @@ struct Workspace {
   RowMat<T> x;
   std::array<RowMat<T>, 2> y;
   std::vector<float> buf;  // double: gathered and stored through float32
-  detail::Bf16TiledA x_bf16;  // x rounded for the AMX GEMMs
+  detail::Bf16TiledA x_bf16;  // x rounded for the bfloat16 GEMMs
   detail::RopeTable<T> source_angles, target_angles;
 };
 
 // A bfloat16 output is rounded to 8 significant bits anyway: its GEMMs take bfloat16 inputs (as
-// the CUDA path's do) on AMX, where that is several times the float32 GEMM's rate.
-bool amx_convert(DType dst_dtype) {
-  return dst_dtype == DType::kBFloat16 && detail::convert_uses_amx();
+// the CUDA path's do) where the CPU multiplies bfloat16 natively (AMX tiles: several times the
+// float32 GEMM's rate; AVX512-BF16: about twice).
+bool bf16_convert(DType dst_dtype) {
+  return dst_dtype == DType::kBFloat16 && detail::bf16_gemm_kernel() != nullptr;
 }
 
 // Tokens per block of the float32 path. Blocks are converted in parallel, one per OpenMP thread
@@ -51,12 +52,13 @@ bool amx_convert(DType dst_dtype) {
 constexpr int64_t kMinBlockTokens = 128;
 
 int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dtype,
-                     int64_t threads, bool amx) {
-  // float32 features, planes and RoPE tables; with AMX the features once more in bfloat16.
+                     int64_t threads, bool bf16) {
+  // float32 features, planes and RoPE tables; with bfloat16 GEMMs the features once more in
+  // bfloat16.
   const int64_t per_token_work =
       static_cast<int64_t>(sizeof(float)) *
           (2 * a.source_width() + 2 * a.target_width() + a.source.head_dim + a.target.head_dim) +
-      (amx ? static_cast<int64_t>(sizeof(uint16_t)) * 2 * a.source_width() : 0);
+      (bf16 ? static_cast<int64_t>(sizeof(uint16_t)) * 2 * a.source_width() : 0);
   const int64_t per_token_output = a.target.num_layers * 2 * a.target_width() *
                                    static_cast<int64_t>(dtype_size(dst_dtype));
   // Tokens of working memory that the output's size allows, all threads together.
@@ -71,7 +73,8 @@ int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dty
 // Converts target tokens [b0, b0 + n) in arithmetic type T: per target layer, for each of its source
 // layers, gather and un-rotate that layer's keys and values and add their GEMMs into the key and
 // value planes (started at the bias); then rotate the keys and store both. bf16: the float32
-// path's GEMMs on AMX with the features and weights in bfloat16 (nullptr: float32 GEMMs).
+// path's GEMMs on detail::gemm_bf16 with the features and weights in bfloat16 (nullptr: float32
+// GEMMs).
 template <typename T>
 void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
                    const KVView& dst, const int64_t* alignment, int64_t target_start_pos,
@@ -124,9 +127,9 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
         RowMat<T>& y = w.y[static_cast<size_t>(kind)];
         if constexpr (kFloat) {
           if (bf16)
-            detail::gemm_bf16_amx(
-                w.x_bf16, (*bf16)[static_cast<size_t>(j)][static_cast<size_t>(kind)][si],
-                y.data(), tw);
+            detail::gemm_bf16(w.x_bf16,
+                              (*bf16)[static_cast<size_t>(j)][static_cast<size_t>(kind)][si],
+                              y.data(), tw);
           else
             detail::gemm_f32(n, tw, 2 * sw, w.x.data(), 2 * sw, ws, tw, y.data(), tw,
                              /*accumulate=*/true);
@@ -163,7 +166,7 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
   const int64_t T_ = dst.tokens();
   if (T_ == 0) return;
   constexpr bool kFloat = std::is_same_v<T, float>;
-  const auto* bf16 = kFloat && amx_convert(dst.dtype()) ? &a.bf16_weights() : nullptr;
+  const auto* bf16 = kFloat && bf16_convert(dst.dtype()) ? &a.bf16_weights() : nullptr;
   const int64_t threads = kFloat ? std::max(1, omp_get_max_threads()) : 1;
   const int64_t B = kFloat ? block_tokens(a, T_, dst.dtype(), threads, bf16 != nullptr) : T_;
   const int64_t blocks = (T_ + B - 1) / B;
@@ -220,7 +223,7 @@ const detail::Bf16Weights& LinearAdapter::Impl::bf16_weights() const {
 }
 
 const char* cpu_convert_kernel(DType target_dtype) noexcept {
-  return amx_convert(target_dtype) ? "amx-bf16" : detail::gemm_isa();
+  return bf16_convert(target_dtype) ? detail::bf16_gemm_kernel() : detail::gemm_isa();
 }
 
 LinearAdapter::LinearAdapter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -426,12 +426,13 @@ void fill_normal(HFKV& kv, const ModelSpec& spec, int64_t tokens, uint32_t seed)
 }
 
 // An adapter on odd shapes (explicit, non-consecutive source layer sets) fitted on normal data.
+// The target's 42 outputs per plane cross the bfloat16 kernels' 16- and 32-column blocks.
 struct OddPair {
   ModelSpec source, target;
   LinearAdapter adapter;
   explicit OddPair(DType dtype)
       : source(make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf, dtype)),
-        target(make_spec("tgt", 4, 1, 14, 30000.0, RopeStyle::kInterleaved, dtype)),
+        target(make_spec("tgt", 4, 3, 14, 30000.0, RopeStyle::kInterleaved, dtype)),
         adapter(fit(source, target)) {}
   static LinearAdapter fit(const ModelSpec& source, const ModelSpec& target) {
     FitOptions o;
@@ -697,11 +698,12 @@ TEST_P(AlignedConvertVsReference, StridedOddSizes) {
     FloatKV g(source, T), plain(target, T);
     gathered_source(source, src.view(), start, rows, tstart, g);
     adapter.convert_reference(g.view(), tstart, plain.view());
-    std::vector<float> b(static_cast<size_t>(T * 14));
-    for (int64_t l = 0; l < 4; ++l)
+    const int64_t w = target.num_kv_heads * target.head_dim;
+    std::vector<float> b(static_cast<size_t>(T * w));
+    for (int64_t l = 0; l < target.num_layers; ++l)
       for (int k = 0; k < 2; ++k) {
-        detail::load_plane(ref.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T, 1, 14,
-                           b.data(), 14);
+        detail::load_plane(ref.view().plane(l, static_cast<KVView::Kind>(k)), dtype, T,
+                           target.num_kv_heads, target.head_dim, b.data(), w);
         const float* p = plain.plane(l, k);
         for (size_t i = 0; i < b.size(); ++i) ASSERT_NEAR(b[i], p[i], 1e-5 * (1 + std::fabs(p[i])));
       }

@@ -107,40 +107,67 @@ TEST(GemmDispatch, UnknownKernelIsInvalidArgument) {
                InvalidArgument);
 }
 
+// Whether the named bfloat16 kernel runs here: a 1 x 1 product, Unavailable otherwise.
+bool bf16_kernel_runs(const char* kernel) {
+  std::vector<float> one(1, 1.0f), out(1, 0.0f);
+  try {
+    const detail::Bf16PackedB packed = detail::pack_b_bf16(one.data(), 1, 1, 1);
+    detail::Bf16TiledA tiled;
+    detail::tile_a_bf16(1, 1, one.data(), 1, tiled);
+    detail::gemm_bf16_kernel(kernel, tiled, packed, out.data(), 1);
+  } catch (const Unavailable&) {
+    return false;
+  }
+  return true;
+}
+
+class GemmBf16 : public testing::TestWithParam<const char*> {};
+
 // C += bf16(A) * bf16(B) against float64 products of the same rounded values: only the float32
-// accumulation may differ. Sizes cross the 16-row, 16-column and 32-deep tile edges and the
-// 2 x 2 tile blocks; strided A and C; C's padding between rows must stay untouched.
-TEST(GemmBf16Amx, MatchesFloat64ReferenceOfRoundedInputsOnStridedOddSizes) {
-  if (!detail::amx_bf16_supported()) GTEST_SKIP() << "this CPU does not run AMX bfloat16";
+// accumulation may differ. Sizes cross the 16-row, 16-column and 32-deep tile edges, the AMX
+// kernel's 2 x 2 tile blocks and the AVX-512 kernel's 8 x 32 blocks; strided A and C; C's
+// padding between rows must stay untouched.
+TEST_P(GemmBf16, MatchesFloat64ReferenceOfRoundedInputsOnStridedOddSizes) {
+  if (!bf16_kernel_runs(GetParam())) GTEST_SKIP() << "this CPU does not run " << GetParam();
   std::mt19937_64 rng(11);
   for (const Case c : {Case{1, 1, 1}, Case{37, 29, 53}, Case{16, 16, 32}, Case{33, 48, 64},
-                       Case{5, 130, 3}, Case{97, 17, 261}, Case{203, 256, 1024}}) {
+                       Case{5, 130, 3}, Case{97, 17, 261}, Case{9, 33, 31},
+                       Case{203, 256, 1024}}) {
     Problem p(c, rng);
     const detail::Bf16PackedB packed = detail::pack_b_bf16(p.b.data(), p.ldb, c.k, c.n);
     detail::Bf16TiledA tiled;
     detail::tile_a_bf16(c.m, c.k, p.a.data(), p.lda, tiled);
-    detail::gemm_bf16_amx(tiled, packed, p.cmat.data(), p.ldc);
-    p.expect_reference(/*accumulate=*/true, to_bf16, "amx");
+    detail::gemm_bf16_kernel(GetParam(), tiled, packed, p.cmat.data(), p.ldc);
+    p.expect_reference(/*accumulate=*/true, to_bf16, GetParam());
   }
 }
 
-TEST(GemmBf16Amx, UnavailableWithoutAmxAndBadShapesRefused) {
+INSTANTIATE_TEST_SUITE_P(Kernels, GemmBf16, testing::Values("amx-bf16", "avx512-bf16"),
+                         [](const testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param[0] == 'a' && info.param[1] == 'm'
+                                                  ? "amx"
+                                                  : "avx512");
+                         });
+
+TEST(GemmBf16Dispatch, UnavailableWithoutAKernelAndBadShapesRefused) {
   std::vector<float> one(6, 1.0f), out(4, 0.0f);
   const detail::Bf16PackedB packed = detail::pack_b_bf16(one.data(), 2, 2, 2);
   EXPECT_THROW(detail::pack_b_bf16(one.data(), 1, 2, 2), InvalidArgument);
   detail::Bf16TiledA tiled;
-  if (!detail::amx_bf16_supported()) {
-    EXPECT_THROW(detail::tile_a_bf16(2, 2, one.data(), 2, tiled), Unavailable);
-    EXPECT_THROW(detail::gemm_bf16_amx(tiled, packed, out.data(), 2), Unavailable);
-    EXPECT_FALSE(detail::convert_uses_amx());
+  EXPECT_THROW(detail::gemm_bf16_kernel("sse9-bf16", tiled, packed, out.data(), 2),
+               InvalidArgument);
+  if (detail::bf16_gemm_kernel() == nullptr) {
+    if (!bf16_kernel_runs("avx512-bf16"))
+      EXPECT_THROW(detail::tile_a_bf16(2, 2, one.data(), 2, tiled), Unavailable);
+    EXPECT_THROW(detail::gemm_bf16(tiled, packed, out.data(), 2), Unavailable);
     return;
   }
   EXPECT_THROW(detail::tile_a_bf16(2, 2, one.data(), 1, tiled), InvalidArgument);
   detail::tile_a_bf16(2, 3, one.data(), 3, tiled);
-  EXPECT_THROW(detail::gemm_bf16_amx(tiled, packed, out.data(), 2), InvalidArgument);  // k 3 vs 2
+  EXPECT_THROW(detail::gemm_bf16(tiled, packed, out.data(), 2), InvalidArgument);  // k 3 vs 2
   detail::tile_a_bf16(2, 2, one.data(), 2, tiled);
-  EXPECT_THROW(detail::gemm_bf16_amx(tiled, packed, out.data(), 1), InvalidArgument);
-  detail::gemm_bf16_amx(tiled, packed, out.data(), 2);
+  EXPECT_THROW(detail::gemm_bf16(tiled, packed, out.data(), 1), InvalidArgument);
+  detail::gemm_bf16(tiled, packed, out.data(), 2);
   EXPECT_EQ(out, std::vector<float>(4, 2.0f));
 }
 

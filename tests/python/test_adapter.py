@@ -110,17 +110,23 @@ def test_convert_matches_float64_path(dtype, tol):
 
 
 def test_cpu_convert_kernel_names_the_path_and_the_isa_cap_lowers_it():
-    kernels = {"amx-bf16", "avx512", "avx2", "generic"}
+    bf16_kernels = {"amx-bf16", "avx512-bf16"}
+    kernels = bf16_kernels | {"avx512", "avx2", "generic"}
     assert kvbridge.cpu_convert_kernel("bfloat16") in kernels
-    assert kvbridge.cpu_convert_kernel("float32") in kernels - {"amx-bf16"}
+    assert kvbridge.cpu_convert_kernel("float32") in kernels - bf16_kernels
     assert kvbridge.cpu_convert_kernel("float16") == kvbridge.cpu_convert_kernel("float32")
     with pytest.raises(kvbridge.InvalidArgumentError):
         kvbridge.cpu_convert_kernel("int8")
     # The cap is read once per process, so a child process shows it.
     code = "import kvbridge; print(kvbridge.cpu_convert_kernel('bfloat16'))"
-    capped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True, env={**os.environ, "KVBRIDGE_CPU_ISA": "generic"})
-    assert capped.stdout.strip() == "generic"
+    def capped(cap):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True, env={**os.environ, "KVBRIDGE_CPU_ISA": cap}
+                              ).stdout.strip()
+    assert capped("generic") == "generic"
+    # "avx512bf16" allows the AVX512-BF16 kernel but not AMX; "avx512" keeps float32 GEMMs.
+    assert capped("avx512bf16") in {"avx512-bf16", "avx512", "avx2", "generic"}
+    assert capped("avx512") in kernels - bf16_kernels
 
 
 def test_fit_helper_with_callables(weights):
