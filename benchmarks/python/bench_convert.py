@@ -6,7 +6,7 @@ layer drawing on one source layer (features 2 * 8 * 128 = 2048, outputs 1024 per
 random weights written straight into an adapter file, so no fit is timed. kvbridge's convert
 does the whole job (un-rotate, GEMMs, bias, rotate, cast, layout); the peer does only the GEMMs
 (torch.matmul on matrices already in place, in the cache's dtype: a bfloat16 convert runs its
-GEMMs in bfloat16 on AMX where the CPU has it, as torch does) with torch.set_num_threads equal to
+GEMMs in bfloat16 on AMX or AVX512-BF16 where the CPU has them, as torch does) with torch.set_num_threads equal to
 the OpenMP threads kvbridge uses. GFLOP/s count the GEMM FLOPs only (2 * tokens * features * outputs
 per map), so the ratio is the share of the peer's GEMM speed that the full conversion keeps.
 

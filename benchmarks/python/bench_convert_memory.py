@@ -122,8 +122,10 @@ def main():
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     print(f"bfloat16 caches, {threads} OpenMP threads; extra = peak resident bytes during the "
           f"call minus those before it; best time of {args.repeats}.\n")
-    print(f"bfloat16 GEMMs: {kvbridge.cpu_convert_kernel('bfloat16')}; the first call's extra "
-          f"includes the weights packed for AMX (bfloat16 tiles, kept with the adapter).\n")
+    kernel = kvbridge.cpu_convert_kernel("bfloat16")
+    packed = ("includes the weights packed in bfloat16 tiles (kept with the adapter)"
+              if kernel.endswith("-bf16") else "packs nothing (float32 GEMMs)")
+    print(f"bfloat16 GEMMs: {kernel}; the first call's extra {packed}.\n")
     print("| shape | source layers per target layer | tokens | output MiB | peak extra MiB "
           "| extra / output | <= 1.2x? | convert ms | first call's extra MiB |")
     print("|---|---:|---:|---:|---:|---:|:---:|---:|---:|")
@@ -145,7 +147,7 @@ def main():
                     def run():
                         adapter._native.convert(sk, sv, 100, dk, dv)
 
-                    # Warm-up (OpenMP threads, allocator arenas); on AMX it also packs the
+                    # Warm-up (OpenMP threads, allocator arenas); with bfloat16 GEMMs it packs the
                     # weights, kept with the adapter: shown apart, it is not per-call memory.
                     first = peak_extra_bytes(run)
                     extra = min(peak_extra_bytes(run) for _ in range(2))
