@@ -1,4 +1,5 @@
 import pathlib
+import threading
 
 import pytest
 import torch
@@ -24,6 +25,15 @@ def random_kv(spec, tokens, seed, strided=False):
             pair.append(t)
         out.append(tuple(pair))
     return tuple(out)
+
+
+def run_threads(work, n=4):
+    """Runs work(i) on n threads, i = 0 .. n - 1, and waits for them all."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 @pytest.fixture

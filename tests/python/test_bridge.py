@@ -1,13 +1,12 @@
 """Bridge through the Python API: native vs converted loads, write-back, the quality gate,
 tokenizer and namespace isolation, the last-token rule, validation, stats and metrics."""
 import math
-import threading
 
 import pytest
 import torch
 
 import kvbridge
-from conftest import random_kv
+from conftest import random_kv, run_threads
 
 SRC = kvbridge.ModelSpec("src", 2, 2, 8, rope_base=10000.0, tokenizer="tok")
 SRC2 = kvbridge.ModelSpec("src2", 1, 1, 6, rope_base=30000.0, tokenizer="tok")
@@ -291,18 +290,14 @@ def test_concurrent_loads_agree(good):
     expected = good.convert(prefix(src_kv, 0, 48))
     results, errors = [], []
 
-    def work():
+    def work(_):
         try:
             for _ in range(5):
                 results.append(bridge.load(TGT, ids).kv)
         except Exception as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work)
     assert not errors and len(results) == 20
     for kv in results:
         assert_kv_equal(kv, expected)

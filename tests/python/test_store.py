@@ -1,11 +1,9 @@
-import threading
-
 import numpy as np
 import pytest
 import torch
 
 import kvbridge
-from conftest import random_kv
+from conftest import random_kv, run_threads
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -90,11 +88,7 @@ def test_threads(spec):
                     if not (torch.equal(k, k0[:, :, :m.tokens]) and torch.equal(v, v0[:, :, :m.tokens])):
                         errors.append(p)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work)
     assert errors == []
     assert store.stats()["hits"] > 0
 

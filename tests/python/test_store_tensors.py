@@ -2,14 +2,13 @@
 against the general path through TensorView objects, on seeded random data, odd sizes, strided
 and offset tensors; and input the in-place readers do not take, which must still be checked and
 refused (or served) by the general path."""
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 import kvbridge
-from conftest import random_kv
+from conftest import random_kv, run_threads
 from kvbridge._tensors import empty_kv, host_kv, kv_views
 
 
@@ -241,9 +240,5 @@ def test_large_match_copies_release_the_gil_and_stay_exact():
                                          for a, b in zip(pa, pb)):
                 errors.append(p)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work)
     assert errors == []
