@@ -1,8 +1,8 @@
 #include "src/store/memory_tier.h"
 
-#include <algorithm>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <new>
 
