@@ -93,12 +93,10 @@ namespace {
 // registers (a Hash128 stored by one step and reloaded whole by the next stalled on store
 // forwarding).
 Hash128 chain_step(uint64_t low, uint64_t high, const uint32_t* chunk, int64_t count) {
-  if (kLittleEndianHost && count == 16) {  // the common chunk (vLLM's block): fixed-size copies
-    unsigned char buf[16 + 4 * 16];
-    detail::store_le64(buf, low);
-    detail::store_le64(buf + 8, high);
-    std::memcpy(buf + 16, chunk, 4 * 16);
-    return detail::xxh3_128(buf, sizeof buf);
+  if (kLittleEndianHost && count == 16) {  // the common chunk (vLLM's block): inlined hash
+    Hash128 h;
+    detail::xxh3_128_chain16(Hash128{low, high}, chunk, 1, &h);
+    return h;
   }
   // Stack buffer for the common chunk sizes; the hash input is small and built once.
   constexpr int64_t kStackTokens = 1024;
