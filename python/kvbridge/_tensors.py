@@ -6,7 +6,7 @@ so the tensors must stay alive for the call, which the callers here guarantee by
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -69,29 +69,50 @@ def is_cache_object(kv: Any) -> bool:
 
 def cache_layers(cache: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """The (keys, values) of each layer of a transformers Cache (e.g. DynamicCache), by duck
-    typing so that transformers stays an optional import. Only full-attention layers holding
-    every token qualify: sliding-window layers keep only the last window and are refused."""
+    typing so that transformers stays an optional import.
+
+    kvbridge holds every layer's KV for every token. A sliding-window layer
+    (``DynamicSlidingWindowLayer``) qualifies while it still holds every token it has seen (a
+    prompt shorter than its window); one that has dropped its oldest tokens is refused with the
+    way out: prefill with a cache that keeps every token (kvbridge.hf.full_cache()), which gives
+    the same outputs since the model's attention masks apply its windows.
+    """
     pairs = []
     for i, layer in enumerate(cache.layers):
-        if getattr(layer, "is_sliding", False):
-            raise InvalidArgumentError(f"kv: layer {i} of the cache is a sliding-window layer; only caches "
-                                       "that hold every token (DynamicLayer) are supported")
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or (
                 not getattr(layer, "is_initialized", True)) or keys.dim() != 4:
             raise InvalidArgumentError(f"kv: layer {i} of the cache holds no [batch, heads, tokens, "
                                        "head_dim] keys and values (empty or not initialized)")
+        if getattr(layer, "is_sliding", False):
+            seen = int(getattr(layer, "cumulative_length", keys.shape[-2]))
+            if seen != keys.shape[-2]:
+                raise InvalidArgumentError(
+                    f"kv: layer {i} of the cache is a sliding-window layer that holds only the last "
+                    f"{keys.shape[-2]} of its {seen} tokens; kvbridge stores every token of every "
+                    "layer: prefill with kvbridge.hf.full_cache() (a cache that keeps every token; "
+                    "the model's attention masks still apply its windows)")
         pairs.append((keys, values))
     if not pairs:
         raise InvalidArgumentError("kv: the cache has no layers (nothing was cached yet)")
     return pairs
 
 
-def legacy_to_cache(kv: KVCache) -> Any:
-    """A legacy tuple as a transformers DynamicCache (needs transformers)."""
+def sliding_windows(spec: Optional[_core.ModelSpec]) -> List[int]:
+    """Each layer's sliding window (0: full attention) by the spec's per-layer attention; [] for
+    a spec without per-layer entries."""
+    if spec is None:
+        return []
+    return [int(a.sliding_window) for a in getattr(spec, "layer_attention", [])]
+
+
+def legacy_to_cache(kv: KVCache, spec: Optional[_core.ModelSpec] = None) -> Any:
+    """A legacy tuple as a transformers DynamicCache (needs transformers): with `spec`, its
+    sliding-window layers as DynamicSlidingWindowLayer (holding their last window - 1 tokens,
+    as the model's own cache would), the others as DynamicLayer."""
     from kvbridge.hf import to_dynamic_cache
 
-    return to_dynamic_cache(kv)
+    return to_dynamic_cache(kv, windows=sliding_windows(spec))
 
 
 def check_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:

@@ -148,7 +148,9 @@ class KVStore:
 
         return_kv: copy the prefix's KV out (False only reports its length).
         device: where the returned tensors live (default: CPU).
-        as_cache: return the KV as a transformers DynamicCache instead of a legacy tuple.
+        as_cache: return the KV as a transformers DynamicCache instead of a legacy tuple; the
+            spec's sliding-window layers (ModelSpec.layer_attention) as DynamicSlidingWindowLayer
+            holding their last window - 1 tokens, as the model's own cache would.
         """
         ids = as_tokens(tokens)
         ns = _args.text("namespace", namespace)
@@ -161,7 +163,7 @@ class KVStore:
             return Match(0, None)
         if device is not None and torch.device(device).type != "cpu":
             kv = tuple((k.to(device), v.to(device)) for k, v in kv)
-        return Match(n, legacy_to_cache(kv) if as_cache else kv, converted_from, adapter)
+        return Match(n, legacy_to_cache(kv, spec) if as_cache else kv, converted_from, adapter)
 
     def erase(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default",
               tiers: Iterable[str] = ("memory", "disk", "redis")) -> int:

@@ -56,16 +56,18 @@ def test_legacy_and_dynamic_cache_round_trip(spec):
 
 def test_bad_caches_are_refused(spec):
     class Layer:
-        def __init__(self, sliding, keys):
+        def __init__(self, sliding, keys, seen=None):
             self.is_sliding, self.keys, self.values = sliding, keys, keys
+            if seen is not None:
+                self.cumulative_length = seen
 
     class Cache:
         def __init__(self, layers):
             self.layers = layers
 
     t = torch.randn(1, 2, 4, 6)
-    with pytest.raises(ValueError, match="sliding"):
-        hf.to_legacy(Cache([Layer(True, t)]))
+    with pytest.raises(ValueError, match="holds only the last 4 of its 9 tokens"):
+        hf.to_legacy(Cache([Layer(False, t), Layer(True, t, seen=9)]))
     with pytest.raises(ValueError, match="layer 1"):
         hf.to_legacy(Cache([Layer(False, t), Layer(False, None)]))
     with pytest.raises(ValueError, match="no layers"):
@@ -74,7 +76,31 @@ def test_bad_caches_are_refused(spec):
         hf.to_legacy(t)
     store = kvbridge.KVStore(1 << 20, chunk_tokens=4)
     with pytest.raises(ValueError, match="sliding"):
-        store.put(spec, list(range(4)), Cache([Layer(True, t)] * spec.num_layers))
+        store.put(spec, list(range(4)), Cache([Layer(True, t, seen=5)] * spec.num_layers))
+
+
+def test_sliding_window_layers_in_and_out():
+    """transformers' DynamicSlidingWindowLayer: taken while it holds every token it has seen,
+    refused once it dropped some, and built from per-layer windows on the way out holding the
+    last window - 1 tokens, as the model's own cache would."""
+    g = torch.Generator().manual_seed(5)
+    kv = [(torch.randn(1, 2, 9, 6, generator=g), torch.randn(1, 2, 9, 6, generator=g))
+          for _ in range(3)]
+    short = hf.to_dynamic_cache([(k[:, :, :3], v[:, :, :3]) for k, v in kv], windows=[0, 4, 0])
+    assert [type(l).__name__ for l in short.layers] == [
+        "DynamicLayer", "DynamicSlidingWindowLayer", "DynamicLayer"]
+    back = hf.to_legacy(short)  # 3 tokens < window 4: nothing dropped
+    assert all(torch.equal(b[0], k[:, :, :3]) for b, (k, _) in zip(back, kv))
+    long = hf.to_dynamic_cache(kv, windows=[0, 4, 0])
+    assert long.layers[1].keys.shape[-2] == 3 and torch.equal(long.layers[1].keys, kv[1][0][:, :, -3:])
+    assert long.layers[0].keys.shape[-2] == 9 and long.get_seq_length(1) == 9
+    with pytest.raises(ValueError, match="layer 1 of the cache is a sliding-window layer"):
+        hf.to_legacy(long)
+    with pytest.raises(ValueError, match="windows: expected one per layer"):
+        hf.to_dynamic_cache(kv, windows=[0, 4])
+    full = hf.full_cache()
+    assert type(full).__name__ == "DynamicCache" and not full.layers or all(
+        not getattr(l, "is_sliding", False) for l in full.layers)
 
 
 def test_store_accepts_and_returns_dynamic_caches(spec):
