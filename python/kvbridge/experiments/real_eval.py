@@ -1,0 +1,339 @@
+"""Evaluation of an adapter between two real pretrained models: kept, agreement, held-out R²,
+TTFT ratio, on text none of us wrote.
+
+Run as ``kvbridge eval --source smollm2-135m --target gemma3-270m`` (any two models
+kvbridge.models loads: short names, Hugging Face folders, GGUF files; ``--text FILE...`` for
+other text; ``--help`` lists the options).
+
+Data (kvbridge.experiments.corpus). Files are split into training and held-out files by a hash
+of their name; windows of ``window_bytes`` bytes are cut from them. Adapters are fitted on
+windows of training files only; every metric is measured on windows of held-out files.
+
+Fitting. Both models prefill each training window from position 0 with their own tokenizers
+(each sequence opens with the model's start token) into caches that keep every token
+(kvbridge.hf.full_cache), and the pairs are streamed into one kvbridge.AdapterFitter:
+RoPE-aware, ``source_layers`` as given (default "auto", the fitter's default), target token j
+paired with source token a(j) of the alignment policy (default kvbridge's), the start tokens
+paired by role.
+
+Metrics (DESIGN.md). A held-out window is cut at byte ``(1 - share) * n``: the target's tokens
+from there on are the continuation, the ones before it the prompt. As on the Bridge path the
+target computes at least the last prompt token itself; with tail recompute r it computes the
+last r + 1. ``L_own``: the target's own prefill of the cached prompt tokens; ``L_conv``: the
+source's prefill of the same text, converted; ``L_none``: the start token alone before the
+continuation. ``kept = (L_none - L_conv) / (L_none - L_own)``, pooled over all continuation
+tokens; ``agreement``: share of continuation positions whose greedy token with the converted
+cache equals the one with the target's own (teacher forced).
+
+TTFT ratio. For prompts of about ``ttft_tokens`` target tokens cut from held-out text: the
+target's own prefill and first token, against aligning both tokenizations, converting the
+source's cache (as a store would hold it) and the target's forward of the rest; medians over
+alternating repeats after a warm-up, in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+import kvbridge
+from kvbridge import eval as kv_eval
+from kvbridge import eval_cross, models
+from kvbridge.experiments import corpus
+
+
+@dataclass(frozen=True)
+class Pair:
+    source: models.LoadedModel
+    target: models.LoadedModel
+
+
+@dataclass
+class RealConfig:
+    """What a run does; the defaults are the ones the README's figures use."""
+
+    window_bytes: int = 1536
+    continuation_share: float = 0.25
+    train_windows: int = 96
+    heldout_windows: int = 32
+    heldout_share: float = 0.25
+    policy: str = "covering"
+    source_layers: str = "auto"        # "auto", "all" or k: the k source layers nearest in depth
+    tails: List[int] = field(default_factory=lambda: [0, 16, 64])
+    ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
+    ttft_repeats: int = 3
+    seed: int = 0
+
+
+def nearest_layers(source_layers: int, target_layers: int, k: int) -> List[List[int]]:
+    """Per target layer, the k source layers nearest to it in relative depth."""
+    k = max(1, min(k, source_layers))
+    out = []
+    for j in range(target_layers):
+        centre = (j + 0.5) / target_layers * source_layers - 0.5
+        order = sorted(range(source_layers), key=lambda i: (abs(i - centre), i))
+        out.append(sorted(order[:k]))
+    return out
+
+
+def fitter_options(pair: Pair, config: RealConfig) -> Dict[str, Any]:
+    layers: Any = config.source_layers
+    if layers not in ("auto", "all"):
+        layers = nearest_layers(pair.source.spec.num_layers, pair.target.spec.num_layers,
+                                int(layers))
+    return {"rope_aware": True, "source_layers": layers, "alignment_policy": config.policy,
+            "seed": config.seed}
+
+
+def encode(model: models.LoadedModel, text: str) -> eval_cross.Encoded:
+    return eval_cross.Encoded(*kvbridge.token_offsets(model.tokenizer, text, add_bos=True))
+
+
+def fit(pair: Pair, texts: Sequence[str], config: RealConfig,
+        progress: bool = True) -> kvbridge.LinearAdapter:
+    """An adapter fitted on the paired KV of `texts` (module docstring)."""
+    fitter = kvbridge.AdapterFitter(pair.source.spec, pair.target.spec,
+                                    **fitter_options(pair, config))
+    for _ in range(fitter.passes):
+        if _ > 0:
+            fitter.next_pass()
+        for text in kv_eval.progress_items(texts, progress, desc="paired KV"):
+            src, tgt = encode(pair.source, text), encode(pair.target, text)
+            index, _missing = eval_cross.alignment(config.policy, src, tgt)
+            fitter.add(kv_eval.prefix_kv(pair.source.model, src.ids),
+                       kv_eval.prefix_kv(pair.target.model, tgt.ids), alignment=index)
+    return fitter.fit()
+
+
+def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], share: float,
+          tails: Sequence[int], progress: bool = True) -> Dict[int, Dict[str, Any]]:
+    """Pooled kept / agreement / losses per tail recompute length (module docstring)."""
+    src_m, tgt_m = pair.source, pair.target
+    sums = {r: kv_eval.Sums() for r in tails}
+    windows = prefix_tokens = 0
+    for text in kv_eval.progress_items(texts, progress, desc="held-out windows"):
+        split = eval_cross.split_window(tgt_m.tokenizer, text, share)
+        if split is None:
+            continue
+        ids, p = split.target.ids, split.p
+        targets = torch.as_tensor(ids[p:], dtype=torch.long)
+        own_kv = kv_eval.prefix_kv(tgt_m.model, ids[:p - 1])
+        logits_own, _ = kv_eval.forward(tgt_m.model, ids[p - 1:-1], own_kv)
+        logits_none, _ = kv_eval.forward(tgt_m.model, [tgt_m.bos_id] + ids[p:-1])
+        src = encode(src_m, split.prefix_text)
+        cached = eval_cross.Encoded(ids[:p - 1], split.target.offsets[:p - 1],
+                                    split.target.roles[:p - 1])
+        index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
+        conv = adapter.convert(kv_eval.prefix_kv(src_m.model, src.ids), alignment=index)
+        for r in tails:
+            keep = max(1, p - 1 - r)  # the start token always comes from the cache
+            part = tuple((k[:, :, :keep], v[:, :, :keep]) for k, v in conv)
+            logits_conv, _ = kv_eval.forward(tgt_m.model, ids[keep:-1], part)
+            sums[r].add(logits_own, logits_conv[-len(targets):], logits_none, targets)
+        windows += 1
+        prefix_tokens += p - 1
+    if not windows:
+        raise kvbridge.InvalidArgumentError("no held-out window could be split (too short for the share)")
+    return {r: {**s.metrics(), "tail": r, "windows": windows, "prefix_tokens": prefix_tokens,
+                "recomputed_share": (min(r, prefix_tokens) + windows) / (prefix_tokens + windows)}
+            for r, s in sums.items()}
+
+
+def prompt_of_tokens(model: models.LoadedModel, text: str, tokens: int) -> str:
+    """The longest prefix of `text` (cut at a line end where one is near) that the model
+    tokenizes into at most `tokens` tokens."""
+    ids, offsets, _ = kvbridge.token_offsets(model.tokenizer, text, add_bos=True)
+    if len(ids) <= tokens:
+        return text
+    end = offsets[tokens - 1][1]
+    return text.encode("utf-8")[:end].decode("utf-8", errors="ignore")
+
+
+@torch.no_grad()
+def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[str],
+                 repeats: int) -> List[Dict[str, Any]]:
+    """Own prefill vs converted cache, per prompt (module docstring)."""
+    src_m, tgt_m = pair.source, pair.target
+    rows = []
+    for prompt in prompts:
+        src_kv = kv_eval.prefix_kv(src_m.model, encode(src_m, prompt).ids)  # as a store holds it
+        out: Dict[str, int] = {}
+
+        def own():
+            ids = encode(tgt_m, prompt).ids
+            logits, _ = kv_eval.forward(tgt_m.model, ids, logits_to_keep=1)
+            out["own"] = int(logits[-1].argmax())
+
+        def converted():
+            src, tgt = encode(src_m, prompt), encode(tgt_m, prompt)
+            m = len(tgt.ids) - 1
+            cached = eval_cross.Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m])
+            index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
+            kv = adapter.convert(src_kv, alignment=index)
+            logits, _ = kv_eval.forward(tgt_m.model, tgt.ids[m:], kv, logits_to_keep=1)
+            out["converted"] = int(logits[-1].argmax())
+
+        own()
+        converted()
+        t_own, t_conv = [], []
+        for _ in range(repeats):
+            t_own.append(kv_eval._seconds(own))
+            t_conv.append(kv_eval._seconds(converted))
+        a, b = statistics.median(t_own), statistics.median(t_conv)
+        rows.append({"target_tokens": len(encode(tgt_m, prompt).ids), "own_ms": 1e3 * a,
+                     "converted_ms": 1e3 * b, "ratio": a / b,
+                     "same_first_token": out["own"] == out["converted"]})
+    return rows
+
+
+def model_record(m: models.LoadedModel) -> Dict[str, Any]:
+    s = m.spec
+    return {"name": s.name, "path": str(m.path), "version": s.version, "tokenizer": s.tokenizer,
+            "fingerprint": s.fingerprint, "num_layers": s.num_layers,
+            "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
+            "model_type": m.model.config.model_type,
+            "parameters": sum(p.numel() for p in m.model.parameters())}
+
+
+def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
+             adapter: Optional[kvbridge.LinearAdapter] = None,
+             progress: bool = True) -> Tuple[Dict[str, Any], kvbridge.LinearAdapter]:
+    """Fits (unless given an adapter) and scores; returns results.json's content and the
+    adapter."""
+    train_files, heldout_files = corpus.split_files(files, config.heldout_share, config.seed)
+    if not train_files or not heldout_files:
+        raise kvbridge.InvalidArgumentError(f"text: {len(files)} files split into {len(train_files)} training "
+                                            f"and {len(heldout_files)} held-out files; both need some")
+    timings: Dict[str, float] = {}
+    train = corpus.windows(train_files, config.window_bytes, config.train_windows)
+    heldout = corpus.windows(heldout_files, config.window_bytes, config.heldout_windows)
+    if adapter is None:
+        t0 = time.perf_counter()
+        adapter = fit(pair, train, config, progress)
+        timings["fit_seconds"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    scores = score(pair, adapter, heldout, config.continuation_share, config.tails, progress)
+    timings["score_seconds"] = time.perf_counter() - t1
+    long_text = "\n".join(corpus.read_text(p) for p in heldout_files[:8])
+    prompts = [prompt_of_tokens(pair.target, long_text, n) for n in config.ttft_tokens]
+    t2 = time.perf_counter()
+    ttft = measure_ttft(pair, adapter, prompts, config.ttft_repeats)
+    timings["ttft_seconds"] = time.perf_counter() - t2
+    results = {
+        "config": asdict(config),
+        "models": {"source": model_record(pair.source), "target": model_record(pair.target)},
+        "text": {"train": corpus.describe(train_files), "heldout": corpus.describe(heldout_files),
+                 "train_windows": len(train), "heldout_windows": len(heldout),
+                 "heldout_files": [p.name for p in heldout_files]},
+        "adapter": {**kv_eval.layer_r2(adapter), "report": adapter.report},
+        "tails": {str(r): v for r, v in scores.items()},
+        "ttft": {"rows": ttft, "threads": torch.get_num_threads()},
+        "timings": timings,
+        "kvbridge_version": kvbridge.__version__,
+        "torch_version": torch.__version__,
+    }
+    return results, adapter
+
+
+def format_table(results: Dict[str, Any]) -> str:
+    m, t, cfg = results["models"], results["text"], results["config"]
+    lines = [f"{m['source']['name']} -> {m['target']['name']}: fitted on {t['train_windows']} windows "
+             f"of {cfg['window_bytes']} bytes from {t['train']['files']} files, scored on "
+             f"{t['heldout_windows']} windows of {t['heldout']['files']} held-out files "
+             f"(continuation: the last {cfg['continuation_share']:g} of each); alignment "
+             f"{cfg['policy']}, source layers {cfg['source_layers']}", ""]
+    lines.append("| tail recomputed | share of prompt computed | kept | agreement | L_own | L_conv | "
+                 "L_none | continuation tokens |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r, v in results["tails"].items():
+        lines.append(f"| {r} | {v['recomputed_share']:.3f} | {v['kept']:.3f} | {v['agreement']:.3f} | "
+                     f"{v['loss_own']:.3f} | {v['loss_conv']:.3f} | {v['loss_none']:.3f} | "
+                     f"{v['tokens']} |")
+    a = results["adapter"]
+    mean = lambda xs: sum(xs) / len(xs)
+    lines += ["", f"held-out R² of the fit: mean K {mean(a['r2_key']):.3f}, mean V "
+              f"{mean(a['r2_value']):.3f}, min {a['quality']:.3f}", ""]
+    lines.append(f"TTFT of {m['target']['name']} (threads {results['ttft']['threads']}): own prefill vs "
+                 "align + convert + forward of the last token")
+    lines.append("")
+    lines.append("| target tokens | own ms | converted ms | ratio | same first token |")
+    lines.append("|---:|---:|---:|---:|---|")
+    for r in results["ttft"]["rows"]:
+        lines.append(f"| {r['target_tokens']} | {r['own_ms']:.0f} | {r['converted_ms']:.0f} | "
+                     f"{r['ratio']:.2f}x | {'yes' if r['same_first_token'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    at_least = kv_eval.int_at_least
+    d = RealConfig()
+    p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0])
+    p.add_argument("--source", required=True, help="short name, model folder or GGUF file")
+    p.add_argument("--target", required=True, help="short name, model folder or GGUF file")
+    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                   help="text files (default: the Python standard library's source and "
+                   "Debian's license texts; see kvbridge.experiments.corpus)")
+    p.add_argument("--out", default="eval-out", help="directory for results.json")
+    p.add_argument("--save-adapter", metavar="PATH", help="save the fitted adapter here")
+    p.add_argument("--adapter", metavar="PATH", help="score this adapter instead of fitting one")
+    p.add_argument("--window-bytes", type=at_least(64), default=d.window_bytes)
+    p.add_argument("--continuation-share", type=float, default=d.continuation_share)
+    p.add_argument("--train-windows", type=at_least(1), default=d.train_windows)
+    p.add_argument("--heldout-windows", type=at_least(1), default=d.heldout_windows)
+    p.add_argument("--policy", default=d.policy, choices=list(kvbridge.ALIGN_POLICIES))
+    p.add_argument("--source-layers", default=d.source_layers,
+                   help="auto, all, or k: each target layer draws on the k source layers nearest "
+                   "in relative depth")
+    p.add_argument("--tails", type=at_least(0), nargs="+", default=d.tails)
+    p.add_argument("--ttft-tokens", type=at_least(2), nargs="+", default=d.ttft_tokens)
+    p.add_argument("--ttft-repeats", type=at_least(1), default=d.ttft_repeats)
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--threads", type=at_least(0), default=0,
+                   help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
+    p.add_argument("--install", action="store_true",
+                   help="pip-install a short name's packages when missing")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    if args.source_layers not in ("auto", "all") and not args.source_layers.isdigit():
+        raise SystemExit(f"--source-layers: expected auto, all or a count, got {args.source_layers!r}")
+    config = RealConfig(window_bytes=args.window_bytes, continuation_share=args.continuation_share,
+                        train_windows=args.train_windows, heldout_windows=args.heldout_windows,
+                        policy=args.policy, source_layers=args.source_layers,
+                        tails=list(args.tails), ttft_tokens=list(args.ttft_tokens),
+                        ttft_repeats=args.ttft_repeats, seed=args.seed)
+    kv_eval.set_threads(args.threads)
+    files = [pathlib.Path(f) for f in args.text] if args.text else corpus.default_files()
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise kvbridge.NotFoundError(f"--text: no such file: {', '.join(missing)}")
+    pair = Pair(models.load(args.source, install_missing=args.install),
+                models.load(args.target, install_missing=args.install))
+    adapter = kvbridge.LinearAdapter.load(args.adapter) if args.adapter else None
+    results, adapter = evaluate(pair, config, files, adapter, progress=not args.quiet)
+    if args.save_adapter:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
+        adapter.save(args.save_adapter)
+        results["saved_adapter"] = args.save_adapter
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=kv_eval._finite_or_null)
+    print(format_table(results))
+    print(f"\nwrote {path}")
+    return results
+
+
+__all__ = ["Pair", "RealConfig", "evaluate", "fit", "format_table", "main", "measure_ttft",
+           "nearest_layers", "prompt_of_tokens", "score"]
