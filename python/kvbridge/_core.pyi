@@ -29,12 +29,31 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position: int
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
+# One layer's attention (include/kvbridge/model_spec.h). rope_scaling None: RopeScaling().
+# sliding_window 0: full attention; otherwise the layer attends to that many most recent
+# tokens (identity and metadata only: every layer's KV is stored and converted for every token).
+class LayerAttention:
+    def __init__(self, rope_base: float = 10000.0, rope_scaling: RopeScaling = ...,
+                 sliding_window: int = 0) -> None: ...
+    # (name, type, default) per constructor argument, in order.
+    FIELDS: Tuple[Tuple[str, str, object], ...]
+    rope_base: float
+    rope_scaling: RopeScaling
+    sliding_window: int
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
 
 class ModelSpec:
+    # layer_attention: empty (every layer uses rope_base and rope_scaling, full attention) or
+    # one LayerAttention per layer, which then rule.
     def __init__(self, name: str, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: str = "float32", version: str = "", tokenizer: str = "",
                  rope_base: float = 10000.0, rope_style: str = "half",
-                 rope_scaling: RopeScaling = ...) -> None: ...
+                 rope_scaling: RopeScaling = ...,
+                 layer_attention: List[LayerAttention] = []) -> None: ...
     # (name, type, default) per constructor argument, in order; default None when required.
     FIELDS: Tuple[Tuple[str, str, object], ...]
     name: str
@@ -47,9 +66,13 @@ class ModelSpec:
     rope_base: float
     rope_style: str
     rope_scaling: RopeScaling
+    layer_attention: List[LayerAttention]
     @property
     def fingerprint(self) -> str: ...
     def kv_bytes_per_token(self) -> int: ...
+    # Layer `layer`'s attention: layer_attention[layer], or the spec-wide RoPE and full attention.
+    def layer(self, layer: int) -> LayerAttention: ...
+    def uniform_attention(self) -> bool: ...
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
 

@@ -94,8 +94,10 @@ py::dict stats_dict(const StoreStats& from) {
   return d;
 }
 
-// ModelSpec's pickle state: every field in for_each_spec_field's order, rope_scaling's
-// flattened, enums by name.
+// Pickle states: every field in its field list's order, enums by name, struct fields
+// (rope_scaling, a layer's) flattened in place, and layer_attention as one list of its entries'
+// flattened tuples. ModelSpec's state before layer_attention existed was the same tuple without
+// that last element, and still loads.
 py::object field_py(const std::string& v) { return py::str(v); }
 py::object field_py(int64_t v) { return py::int_(v); }
 py::object field_py(double v) { return py::float_(v); }
@@ -113,33 +115,88 @@ void field_from(const py::handle& o, RopeScaling::Type* v) {
   *v = parse_rope_scaling_type(o.cast<std::string>());
 }
 
-// Calls f(field) for every leaf field of `spec` (rope_scaling's fields in place of it).
-template <class Spec, class F>
-void for_each_leaf(Spec& spec, F&& f) {
-  for_each_spec_field(
-      [&](const char*, auto& value) {
-        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
-          for_each_rope_scaling_field([&](const char*, auto& v) { f(v); }, value);
-        } else {
-          f(value);
-        }
-      },
-      spec);
+// Calls f(field) for every leaf field of `s` (a struct field's fields in place of it; a
+// layer_attention list is one leaf).
+template <class S, class F>
+void for_each_leaf(S& s, F&& f) {
+  using T = std::remove_const_t<S>;
+  auto leaf = [&](const char*, auto& value) {
+    using V = std::decay_t<decltype(value)>;
+    if constexpr (std::is_same_v<V, RopeScaling> || std::is_same_v<V, LayerAttention>) {
+      for_each_leaf(value, f);
+    } else {
+      f(value);
+    }
+  };
+  if constexpr (std::is_same_v<T, ModelSpec>) {
+    for_each_spec_field(leaf, s);
+  } else if constexpr (std::is_same_v<T, LayerAttention>) {
+    for_each_layer_attention_field(leaf, s);
+  } else {
+    for_each_rope_scaling_field(leaf, s);
+  }
 }
 
-py::tuple spec_state(const ModelSpec& s) {
+template <class T>
+py::tuple state_of(const T& s);
+template <class T>
+T from_state(const py::tuple& t, bool check_count = true);
+
+py::object state_leaf(const std::vector<LayerAttention>& v) {
+  py::list out;
+  for (const LayerAttention& a : v) out.append(state_of(a));
+  return std::move(out);
+}
+template <class V>
+py::object state_leaf(const V& v) {
+  return field_py(v);
+}
+void leaf_from(const py::handle& o, std::vector<LayerAttention>* v) {
+  v->clear();
+  for (const py::handle& entry : o.cast<py::list>())
+    v->push_back(from_state<LayerAttention>(entry.cast<py::tuple>()));
+}
+template <class V>
+void leaf_from(const py::handle& o, V* v) {
+  field_from(o, v);
+}
+
+template <class T>
+size_t leaf_count() {
+  T s{};
+  size_t n = 0;
+  for_each_leaf(s, [&](auto&) { ++n; });
+  return n;
+}
+
+template <class T>
+py::tuple state_of(const T& s) {
   py::list state;
-  for_each_leaf(s, [&](const auto& v) { state.append(field_py(v)); });
+  for_each_leaf(s, [&](const auto& v) { state.append(state_leaf(v)); });
   return py::tuple(state);
 }
 
-ModelSpec spec_from_state(const py::tuple& t) {
-  ModelSpec s;
-  size_t n = 0;
-  for_each_leaf(s, [&](auto&) { ++n; });
-  KVB_CHECK(t.size() == n, "ModelSpec pickle: expected " << n << " fields, got " << t.size());
+template <class T>
+T from_state(const py::tuple& t, bool check_count) {
+  const size_t n = leaf_count<T>();
+  if (check_count)
+    KVB_CHECK(t.size() == n, "pickle: expected " << n << " fields, got " << t.size());
+  T s{};
   size_t i = 0;
-  for_each_leaf(s, [&](auto& v) { field_from(t[i++], &v); });
+  for_each_leaf(s, [&](auto& v) {
+    if (i < t.size()) leaf_from(t[i++], &v);
+  });
+  return s;
+}
+
+py::tuple spec_state(const ModelSpec& s) { return state_of(s); }
+
+ModelSpec spec_from_state(const py::tuple& t) {
+  const size_t n = leaf_count<ModelSpec>();
+  // n - 1: a state written before layer_attention (its last field) existed.
+  KVB_CHECK(t.size() == n || t.size() == n - 1,
+            "ModelSpec pickle: expected " << n << " fields, got " << t.size());
+  ModelSpec s = from_state<ModelSpec>(t, /*check_count=*/false);
   s.validate();
   return s;
 }
@@ -177,6 +234,32 @@ struct Fields<RopeScaling> {
   static void check(const RopeScaling&) {}  // ModelSpec::validate checks it in its spec
 };
 
+// LayerAttention, likewise.
+constexpr size_t kLayerAttentionFields = [] {
+  size_t n = 0;
+  LayerAttention s{};
+  for_each_layer_attention_field([&](const char*, auto&) { ++n; }, s);
+  return n;
+}();
+constexpr std::array<const char*, kLayerAttentionFields> kLayerAttentionArgs = [] {
+  std::array<const char*, kLayerAttentionFields> names{};
+  size_t i = 0;
+  LayerAttention s{};
+  for_each_layer_attention_field([&](const char* name, auto&) { names[i++] = name; }, s);
+  return names;
+}();
+
+template <>
+struct Fields<LayerAttention> {
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+    for_each_layer_attention_field(f, s);
+  }
+  static constexpr std::array<const char*, kLayerAttentionFields> args = kLayerAttentionArgs;
+  static constexpr size_t required = 0;
+  static void check(const LayerAttention&) {}  // ModelSpec::validate checks it in its spec
+};
+
 template <>
 struct Fields<ModelSpec> {
   template <class S, class F>
@@ -187,9 +270,10 @@ struct Fields<ModelSpec> {
   // others. It is not the fingerprint order of for_each_spec_field; check_args() checks at
   // import that it names every field of that list once, so a new field fails the import until
   // it has a place here.
-  static constexpr std::array args{"name",       "num_layers", "num_kv_heads", "head_dim",
-                                   "dtype",      "version",    "tokenizer",    "rope_base",
-                                   "rope_style", "rope_scaling"};
+  static constexpr std::array args{"name",         "num_layers", "num_kv_heads",
+                                   "head_dim",     "dtype",      "version",
+                                   "tokenizer",    "rope_base",  "rope_style",
+                                   "rope_scaling", "layer_attention"};
   static constexpr size_t required = 4;
   static void check(const ModelSpec& s) { s.validate(); }
 };
@@ -238,13 +322,39 @@ void field_arg(const py::handle& o, const char* name, RopeStyle* v) {
 void field_arg(const py::handle& o, const char* name, RopeScaling::Type* v) {
   *v = parse_rope_scaling_type(text_arg(o, name));
 }
+// None: RopeScaling() (no scaling).
 void field_arg(const py::handle& o, const char* name, RopeScaling* v) {
+  if (o.is_none()) {
+    *v = RopeScaling{};
+    return;
+  }
   if (!py::isinstance<RopeScaling>(o))
-    throw py::type_error(std::string(name) + ": expected a kvbridge.RopeScaling, got " +
+    throw py::type_error(std::string(name) + ": expected a kvbridge.RopeScaling or None, got " +
                          std::string(py::str(py::type::of(o).attr("__name__"))));
   *v = o.cast<RopeScaling>();
 }
 py::object field_py(const RopeScaling& v) { return py::cast(v); }
+// A list or tuple of kvbridge.LayerAttention.
+void field_arg(const py::handle& o, const char* name, std::vector<LayerAttention>* v) {
+  if (!py::isinstance<py::list>(o) && !py::isinstance<py::tuple>(o))
+    throw py::type_error(std::string(name) + ": expected a list of kvbridge.LayerAttention, got " +
+                         std::string(py::str(py::type::of(o).attr("__name__"))));
+  v->clear();
+  size_t i = 0;
+  for (const py::handle& entry : o) {
+    if (!py::isinstance<LayerAttention>(entry))
+      throw py::type_error(std::string(name) + "[" + std::to_string(i) +
+                           "]: expected a kvbridge.LayerAttention, got " +
+                           std::string(py::str(py::type::of(entry).attr("__name__"))));
+    v->push_back(entry.cast<LayerAttention>());
+    ++i;
+  }
+}
+py::object field_py(const std::vector<LayerAttention>& v) {
+  py::list out;
+  for (const LayerAttention& a : v) out.append(py::cast(a));
+  return std::move(out);
+}
 
 template <class T, size_t I>
 auto arg_decl() {
@@ -302,6 +412,30 @@ void def_fields(py::class_<T>& cls) {
     });
   }
   cls.attr("FIELDS") = py::tuple(fields);
+}
+
+// "Name(field=value, ...)" in constructor argument order, each value by its Python repr.
+template <class T>
+std::string fields_repr(const T& s, const char* type_name) {
+  std::string out = std::string(type_name) + "(";
+  for (size_t i = 0; i < Fields<T>::args.size(); ++i) {
+    const char* name = Fields<T>::args[i];
+    with_field<T>(s, name, [&](const auto& v) {
+      out += std::string(i ? ", " : "") + name + "=" + std::string(py::repr(field_py(v)));
+    });
+  }
+  return out + ")";
+}
+
+// ==, !=, __hash__ (of the pickle state), __repr__ and pickle for a small value struct.
+template <class T>
+void def_value(py::class_<T>& cls, const char* type_name) {
+  cls.def(py::self == py::self)
+      .def(py::self != py::self)
+      .def("__hash__", [](const T& s) { return py::hash(state_of(s)); })
+      .def("__repr__", [type_name](const T& s) { return fields_repr(s, type_name); })
+      .def(py::pickle([](const T& s) { return state_of(s); },
+                      [](const py::tuple& t) { return from_state<T>(t); }));
 }
 
 py::dict report_dict(const FitReport& r) {
@@ -370,13 +504,19 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<RopeScaling> scaling(m, "RopeScaling");
   def_fields(scaling);
-  scaling.def(py::self == py::self);
+  def_value(scaling, "RopeScaling");
+
+  py::class_<LayerAttention> layer_attention(m, "LayerAttention");
+  def_fields(layer_attention);
+  def_value(layer_attention, "LayerAttention");
 
   py::class_<ModelSpec> spec(m, "ModelSpec");
   def_fields(spec);
   spec
       .def_property_readonly("fingerprint", &ModelSpec::fingerprint)
       .def("kv_bytes_per_token", &ModelSpec::kv_bytes_per_token)
+      .def("layer", &ModelSpec::layer, py::arg("layer"))
+      .def("uniform_attention", &ModelSpec::uniform_attention)
       .def(py::self == py::self)
       .def(py::self != py::self)
       .def("__hash__", [](const ModelSpec& s) { return py::hash(py::str(s.fingerprint())); })

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kvbridge/dtype.h"
 #include "kvbridge/model_spec.h"
@@ -28,6 +29,12 @@ template <>
 struct PythonType<RopeScaling::Type> { static constexpr const char* name = "str"; };  // by name
 template <>
 struct PythonType<RopeScaling> { static constexpr const char* name = "RopeScaling"; };
+template <>
+struct PythonType<LayerAttention> { static constexpr const char* name = "LayerAttention"; };
+template <>
+struct PythonType<std::vector<LayerAttention>> {
+  static constexpr const char* name = "List[LayerAttention]";
+};
 
 /// The annotation a field of C++ type T has in Python (and in _core.pyi).
 template <class T>

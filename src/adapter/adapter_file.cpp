@@ -50,19 +50,57 @@ void field_from(const json& j, RopeScaling::Type* v) {
   *v = parse_rope_scaling_type(j.get<std::string>());
 }
 
-// Every field of ModelSpec (for_each_spec_field), rope_scaling as an object of its own.
+// A struct field as a JSON object of its own fields, layer_attention as an array of them.
+template <class T>
+json value_json(const T& value) {
+  if constexpr (std::is_same_v<T, RopeScaling> || std::is_same_v<T, LayerAttention>) {
+    json r = json::object();
+    auto put = [&](const char* k, const auto& v) { r[k] = value_json(v); };
+    if constexpr (std::is_same_v<T, RopeScaling>) {
+      for_each_rope_scaling_field(put, value);
+    } else {
+      for_each_layer_attention_field(put, value);
+    }
+    return r;
+  } else if constexpr (std::is_same_v<T, std::vector<LayerAttention>>) {
+    json r = json::array();
+    for (const LayerAttention& a : value) r.push_back(value_json(a));
+    return r;
+  } else {
+    return field_json(value);
+  }
+}
+
+// The inverse of value_json; a missing field or a wrong JSON type throws json::exception.
+template <class T>
+void value_from(const json& j, T* value) {
+  if constexpr (std::is_same_v<T, RopeScaling> || std::is_same_v<T, LayerAttention>) {
+    auto get = [&](const char* k, auto& v) { value_from(j.at(k), &v); };
+    if constexpr (std::is_same_v<T, RopeScaling>) {
+      for_each_rope_scaling_field(get, *value);
+    } else {
+      for_each_layer_attention_field(get, *value);
+    }
+  } else if constexpr (std::is_same_v<T, std::vector<LayerAttention>>) {
+    KVB_CHECK(j.is_array(), "layer_attention is not a list");
+    value->resize(j.size());
+    for (size_t i = 0; i < j.size(); ++i) value_from(j[i], &(*value)[i]);
+  } else {
+    field_from(j, value);
+  }
+}
+
+// Every field of ModelSpec (for_each_spec_field), rope_scaling as an object of its own;
+// layer_attention, a list of such objects, only when not empty, so files of specs without
+// per-layer attention are written (and checksummed) exactly as before it existed. A reader
+// without it ignores the key, and the spec's fingerprint then does not match: it refuses the file.
 json spec_json(const ModelSpec& s) {
   json j = json::object();
   for_each_spec_field(
       [&](const char* key, const auto& value) {
-        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
-          json r = json::object();
-          for_each_rope_scaling_field([&](const char* k, const auto& v) { r[k] = field_json(v); },
-                                      value);
-          j[key] = std::move(r);
-        } else {
-          j[key] = field_json(value);
-        }
+        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::vector<LayerAttention>>)
+          if (value.empty()) return;
+        j[key] = value_json(value);
       },
       s);
   j["fingerprint"] = s.fingerprint();
@@ -75,13 +113,11 @@ ModelSpec spec_from_json(const json& j, const char* what) {
     ModelSpec s;
     for_each_spec_field(
         [&](const char* key, auto& value) {
-          if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
-            const json& r = j.at(key);
-            for_each_rope_scaling_field([&](const char* k, auto& v) { field_from(r.at(k), &v); },
-                                        value);
-          } else {
-            field_from(j.at(key), &value);
-          }
+          // Files without per-layer attention (every file before it) have no layer_attention.
+          if constexpr (std::is_same_v<std::decay_t<decltype(value)>,
+                                       std::vector<LayerAttention>>)
+            if (!j.contains(key)) return;
+          value_from(j.at(key), &value);
         },
         s);
     s.validate();  // bounds layers, KV heads and head dim (load sizes buffers from them)
@@ -296,8 +332,8 @@ LinearAdapter LinearAdapter::load(const std::string& path, const AdapterLoadOpti
   auto a = std::make_unique<Impl>();
   a->source = spec_from_json(parse_json(meta, "source_spec"), "source_spec");
   a->target = spec_from_json(parse_json(meta, "target_spec"), "target_spec");
-  a->source_inv_freq = detail::rope_inv_freq(a->source);
-  a->target_inv_freq = detail::rope_inv_freq(a->target);
+  a->source_inv_freq = detail::layer_inv_freq(a->source);
+  a->target_inv_freq = detail::layer_inv_freq(a->target);
   const std::string rope = get("rope_aware");
   KVB_CHECK_AS(Corrupt, rope == "true" || rope == "false", "adapter file: rope_aware is '" << rope << "'");
   a->report.rope_aware = rope == "true";

@@ -10,6 +10,7 @@
 #include "kvbridge/adapter.h"
 #include "kvbridge/align.h"
 #include "src/adapter/gemm.h"
+#include "src/adapter/numeric.h"
 
 namespace kvbridge {
 
@@ -29,7 +30,7 @@ using Bf16Weights = std::vector<std::array<std::vector<Bf16PackedB>, 2>>;
 struct LinearAdapter::Impl {
   ModelSpec source, target;
   FitReport report;
-  std::vector<double> source_inv_freq, target_inv_freq;
+  detail::LayerInvFreq source_inv_freq, target_inv_freq;  // per layer (each distinct set once)
   /// Per target layer: source layers (ascending), and for K (0) and V (1) the weights
   /// [features, outputs] row-major and bias [outputs].
   std::vector<std::vector<int64_t>> layers;

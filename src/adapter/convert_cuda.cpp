@@ -113,7 +113,8 @@ struct DeviceState {
   std::vector<TargetPlan> targets;
   DevicePtr weights;  // per target layer [F_j, 2 tw] row-major, source dtype
   DevicePtr bias;     // [target layers, 2 tw] float32
-  DevicePtr source_inv_freq, target_inv_freq;  // float64
+  // float64 [sets, head_dim / 2]: each model's distinct frequency sets (LayerInvFreq::sets).
+  DevicePtr source_inv_freq, target_inv_freq;
   std::mutex pool_mutex;
   std::vector<std::unique_ptr<Workspace>> idle;
 
@@ -148,11 +149,14 @@ std::atomic<int64_t>& cuda_scratch_budget() {
 }
 
 int64_t cuda_scratch_bytes_per_token(const ModelSpec& source, const ModelSpec& target,
-                                     int64_t used_source_layers) {
+                                     int64_t used_source_layers, int64_t source_rope_sets,
+                                     int64_t target_rope_sets) {
   const int64_t sw = source.num_kv_heads * source.head_dim;
   const int64_t tw = target.num_kv_heads * target.head_dim;
   return used_source_layers * 2 * sw * static_cast<int64_t>(dtype_size(source.dtype)) +
-         2 * tw * 4 + (source.head_dim / 2 + target.head_dim / 2) * 8 + 8;
+         2 * tw * 4 +
+         (source_rope_sets * (source.head_dim / 2) + target_rope_sets * (target.head_dim / 2)) * 8 +
+         8;
 }
 
 int64_t cuda_block_tokens(int64_t tokens, int64_t bytes_per_token, int64_t budget) {
@@ -253,16 +257,20 @@ std::unique_ptr<DeviceState> upload(const LinearAdapter::Impl& a, int device) {
       std::copy(b.begin(), b.end(), bias.begin() + (j * 2 + kind) * tw);
     }
   state->bias = device_alloc(static_cast<int64_t>(bias.size()) * 4);
-  state->source_inv_freq = device_alloc(static_cast<int64_t>(a.source_inv_freq.size()) * 8);
-  state->target_inv_freq = device_alloc(static_cast<int64_t>(a.target_inv_freq.size()) * 8);
+  // Each model's distinct frequency sets, one after another (set i at i * head_dim / 2).
+  std::vector<double> source_freq, target_freq;
+  for (const auto& set : a.source_inv_freq.sets)
+    source_freq.insert(source_freq.end(), set.begin(), set.end());
+  for (const auto& set : a.target_inv_freq.sets)
+    target_freq.insert(target_freq.end(), set.begin(), set.end());
+  state->source_inv_freq = device_alloc(static_cast<int64_t>(source_freq.size()) * 8);
+  state->target_inv_freq = device_alloc(static_cast<int64_t>(target_freq.size()) * 8);
   KVB_CUDA_CHECK(cudaMemcpyAsync(state->bias.get(), bias.data(), bias.size() * 4,
                                  cudaMemcpyHostToDevice, stream.get()));
-  KVB_CUDA_CHECK(cudaMemcpyAsync(state->source_inv_freq.get(), a.source_inv_freq.data(),
-                                 a.source_inv_freq.size() * 8, cudaMemcpyHostToDevice,
-                                 stream.get()));
-  KVB_CUDA_CHECK(cudaMemcpyAsync(state->target_inv_freq.get(), a.target_inv_freq.data(),
-                                 a.target_inv_freq.size() * 8, cudaMemcpyHostToDevice,
-                                 stream.get()));
+  KVB_CUDA_CHECK(cudaMemcpyAsync(state->source_inv_freq.get(), source_freq.data(),
+                                 source_freq.size() * 8, cudaMemcpyHostToDevice, stream.get()));
+  KVB_CUDA_CHECK(cudaMemcpyAsync(state->target_inv_freq.get(), target_freq.data(),
+                                 target_freq.size() * 8, cudaMemcpyHostToDevice, stream.get()));
   KVB_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
   return state;
 }
@@ -374,7 +382,10 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
 
   const int64_t used = static_cast<int64_t>(state.used.size());
   const int64_t ldf = used * 2 * sw;  // feature row length
-  const int64_t per_token = cuda_scratch_bytes_per_token(a.source, a.target, used);
+  const int64_t source_sets = a.source_inv_freq.num_sets(),
+                target_sets = a.target_inv_freq.num_sets();
+  const int64_t per_token =
+      cuda_scratch_bytes_per_token(a.source, a.target, used, source_sets, target_sets);
   const int64_t budget = cuda_scratch_budget().load();
   const int64_t block = cuda_block_tokens(T, per_token, budget);
   check_int(2 * tw, "2 * target width");
@@ -383,8 +394,9 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
 
   const int64_t features_bytes = align_up(block * ldf * es, kAlign);
   const int64_t y_bytes = align_up(block * 2 * tw * 4, kAlign);
-  const int64_t source_table_bytes = align_up(block * half_s * 8, kAlign);
-  const int64_t target_table_bytes = align_up(block * half_t * 8, kAlign);
+  // One table of `block` rows per frequency set: set i's at i * block * half entries.
+  const int64_t source_table_bytes = align_up(source_sets * block * half_s * 8, kAlign);
+  const int64_t target_table_bytes = align_up(target_sets * block * half_t * 8, kAlign);
   const int64_t index_bytes = align_up(block * 8, kAlign);
   const int64_t scratch_bytes =
       features_bytes + y_bytes + source_table_bytes + target_table_bytes + index_bytes;
@@ -423,17 +435,25 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
     }
     const KVView s = rows ? src : src.slice_tokens(t0, tb), d = dst.slice_tokens(t0, tb);
     if (rope) {
-      cuda::launch_rope_table(static_cast<const double*>(state.source_inv_freq.get()), half_s,
-                              rows ? start_pos : start_pos + t0, rows, tb, source_table, stream);
-      cuda::launch_rope_table(static_cast<const double*>(state.target_inv_freq.get()), half_t,
-                              target_start_pos + t0, nullptr, tb, target_table, stream);
+      for (int64_t i = 0; i < source_sets; ++i)
+        cuda::launch_rope_table(static_cast<const double*>(state.source_inv_freq.get()) +
+                                    i * half_s,
+                                half_s, rows ? start_pos : start_pos + t0, rows, tb,
+                                source_table + i * block * half_s, stream);
+      for (int64_t i = 0; i < target_sets; ++i)
+        cuda::launch_rope_table(static_cast<const double*>(state.target_inv_freq.get()) +
+                                    i * half_t,
+                                half_t, target_start_pos + t0, nullptr, tb,
+                                target_table + i * block * half_t, stream);
     }
     for (int64_t u = 0; u < used; ++u) {
       const int64_t l = state.used[static_cast<size_t>(u)];
       cuda::launch_gather(s.plane(l, KVView::kKey), s.plane(l, KVView::kValue), gemm_type, rows,
                           tb, a.source.num_kv_heads, a.source.head_dim, source_interleaved,
-                          rope ? source_table : nullptr, features + u * 2 * sw * es, ldf,
-                          stream);
+                          rope ? source_table + static_cast<int64_t>(a.source_inv_freq.set(l)) *
+                                                    block * half_s
+                               : nullptr,
+                          features + u * 2 * sw * es, ldf, stream);
     }
     for (int64_t j = 0; j < a.target.num_layers; ++j) {
       const TargetPlan& p = state.targets[static_cast<size_t>(j)];
@@ -451,7 +471,10 @@ void convert_cuda(const LinearAdapter::Impl& a, const KVView& src, int64_t start
             static_cast<int>(ldf), &beta, y, CUDA_R_32F, static_cast<int>(2 * tw),
             cuda::kCublasCompute32F, cuda::kCublasGemmDefault));
       }
-      cuda::launch_epilogue(y, 2 * tw, bias + j * 2 * tw, rope ? target_table : nullptr,
+      const cuda::CosSin* table =
+          rope ? target_table + static_cast<int64_t>(a.target_inv_freq.set(j)) * block * half_t
+               : nullptr;
+      cuda::launch_epilogue(y, 2 * tw, bias + j * 2 * tw, table,
                             target_interleaved, tb, a.target.num_kv_heads, a.target.head_dim,
                             a.target.dtype, d.plane(j, KVView::kKey), d.plane(j, KVView::kValue),
                             stream);

@@ -29,10 +29,12 @@ inline constexpr int64_t kDefaultCudaScratchBudget = int64_t{512} << 20;
 inline constexpr int64_t kCudaCublasWorkspaceBytes = int64_t{32} << 20;
 
 /// Scratch bytes per token of a block: the features of `used_source_layers` source layers in the
-/// GEMM input type (the source dtype), one target layer's float32 GEMM output and the two RoPE
-/// tables.
+/// GEMM input type (the source dtype), one target layer's float32 GEMM output and the RoPE
+/// tables, one per distinct frequency set of each model (detail::LayerInvFreq::num_sets(); 1 for
+/// a spec without per-layer attention).
 int64_t cuda_scratch_bytes_per_token(const ModelSpec& source, const ModelSpec& target,
-                                     int64_t used_source_layers);
+                                     int64_t used_source_layers, int64_t source_rope_sets = 1,
+                                     int64_t target_rope_sets = 1);
 /// Tokens per block for a call of `tokens` tokens (> 0): the fewest blocks that fit `budget`,
 /// balanced in size; at least 1 token per block whatever the budget.
 int64_t cuda_block_tokens(int64_t tokens, int64_t bytes_per_token, int64_t budget);

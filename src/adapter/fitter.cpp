@@ -34,8 +34,9 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Un-rotated (if asked) K then V of one layer, as float64 rows [tokens, 2 * heads * dim].
-MatD unrotated_rows(const ModelSpec& spec, const std::vector<double>& inv_freq, bool rope_aware,
+// Un-rotated (if asked, with that layer's own frequencies) K then V of one layer, as float64
+// rows [tokens, 2 * heads * dim].
+MatD unrotated_rows(const ModelSpec& spec, const detail::LayerInvFreq& inv_freq, bool rope_aware,
                     const KVView& kv, int64_t layer, int64_t start_pos) {
   const int64_t T = kv.tokens(), W = spec.num_kv_heads * spec.head_dim;
   std::vector<float> buf(static_cast<size_t>(T * 2 * W));
@@ -47,7 +48,7 @@ MatD unrotated_rows(const ModelSpec& spec, const std::vector<double>& inv_freq, 
                  .cast<double>();
   KVB_CHECK(out.allFinite(), "layer " << layer << " of the KV holds NaN or infinite values");
   if (rope_aware)
-    detail::apply_rope(spec, inv_freq, start_pos, /*inverse=*/true, T, spec.num_kv_heads,
+    detail::apply_rope(spec, inv_freq[layer], start_pos, /*inverse=*/true, T, spec.num_kv_heads,
                        out.data(), 2 * W);
   return out;
 }
@@ -305,7 +306,7 @@ void check_pair(const ModelSpec& source, const ModelSpec& target, const KVView& 
 struct AdapterFitter::Impl {
   ModelSpec source, target;
   FitOptions options;
-  std::vector<double> source_inv_freq, target_inv_freq;
+  detail::LayerInvFreq source_inv_freq, target_inv_freq;
   int64_t layer_features = 0;  // Fl = 2 * source kv_heads * head_dim
   int64_t outputs = 0;         // O = target kv_heads * head_dim
   int passes = 1, pass = 0;
@@ -582,8 +583,8 @@ AdapterFitter::AdapterFitter(const ModelSpec& source, const ModelSpec& target,
   m.source = source;
   m.target = target;
   m.options = options;
-  m.source_inv_freq = detail::rope_inv_freq(source);
-  m.target_inv_freq = detail::rope_inv_freq(target);
+  m.source_inv_freq = detail::layer_inv_freq(source);
+  m.target_inv_freq = detail::layer_inv_freq(target);
   m.layer_features = 2 * source.num_kv_heads * source.head_dim;
   m.outputs = target.num_kv_heads * target.head_dim;
   std::vector<std::vector<int64_t>> candidates(static_cast<size_t>(target.num_layers));

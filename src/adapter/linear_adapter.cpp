@@ -22,14 +22,14 @@ using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>
 
 // Per-call working memory of the conversion, one per thread: one source layer's un-rotated
 // features and one target layer's key and value planes for a block of tokens, and the RoPE
-// tables of both models for it.
+// tables of both models for it, one per distinct set of frequencies (detail::LayerInvFreq).
 template <typename T>
 struct Workspace {
   RowMat<T> x;
   std::array<RowMat<T>, 2> y;
   std::vector<float> buf;  // double: gathered and stored through float32
   detail::Bf16TiledA x_bf16;  // x rounded for the bfloat16 GEMMs
-  detail::RopeTable<T> source_angles, target_angles;
+  std::vector<detail::RopeTable<T>> source_angles, target_angles;
 };
 
 // A bfloat16 output is rounded to 8 significant bits anyway: its GEMMs take bfloat16 inputs (as
@@ -53,11 +53,13 @@ constexpr int64_t kMinBlockTokens = 128;
 
 int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dtype,
                      int64_t threads, bool bf16) {
-  // float32 features, planes and RoPE tables; with bfloat16 GEMMs the features once more in
-  // bfloat16.
+  // float32 features, planes and RoPE tables (one per distinct frequency set); with bfloat16
+  // GEMMs the features once more in bfloat16.
   const int64_t per_token_work =
       static_cast<int64_t>(sizeof(float)) *
-          (2 * a.source_width() + 2 * a.target_width() + a.source.head_dim + a.target.head_dim) +
+          (2 * a.source_width() + 2 * a.target_width() +
+           a.source_inv_freq.num_sets() * a.source.head_dim +
+           a.target_inv_freq.num_sets() * a.target.head_dim) +
       (bf16 ? static_cast<int64_t>(sizeof(uint16_t)) * 2 * a.source_width() : 0);
   const int64_t per_token_output = a.target.num_layers * 2 * a.target_width() *
                                    static_cast<int64_t>(dtype_size(dst_dtype));
@@ -71,8 +73,9 @@ int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dty
 }
 
 // Converts target tokens [b0, b0 + n) in arithmetic type T: per target layer, for each of its source
-// layers, gather and un-rotate that layer's keys and values and add their GEMMs into the key and
-// value planes (started at the bias); then rotate the keys and store both. bf16: the float32
+// layers, gather and un-rotate that layer's keys and values (with that source layer's RoPE) and
+// add their GEMMs into the key and value planes (started at the bias); then rotate the keys (with
+// the target layer's RoPE) and store both. bf16: the float32
 // path's GEMMs on detail::gemm_bf16 with the features and weights in bfloat16 (nullptr: float32
 // GEMMs).
 template <typename T>
@@ -94,9 +97,13 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
   const KVView s = rows ? src : src.slice_tokens(b0, n);
   const KVView d = dst.slice_tokens(b0, n);
   if (rope) {
-    detail::rope_table(a.source_inv_freq, rows ? start_pos : start_pos + b0, n, w.source_angles,
-                       rows);
-    detail::rope_table(a.target_inv_freq, target_start_pos + b0, n, w.target_angles);
+    w.source_angles.resize(a.source_inv_freq.sets.size());
+    w.target_angles.resize(a.target_inv_freq.sets.size());
+    for (size_t i = 0; i < w.source_angles.size(); ++i)
+      detail::rope_table(a.source_inv_freq.sets[i], rows ? start_pos : start_pos + b0, n,
+                         w.source_angles[i], rows);
+    for (size_t i = 0; i < w.target_angles.size(); ++i)
+      detail::rope_table(a.target_inv_freq.sets[i], target_start_pos + b0, n, w.target_angles[i]);
   }
   for (int64_t j = 0; j < a.target.num_layers; ++j) {
     const auto& layers = a.layers[static_cast<size_t>(j)];
@@ -117,8 +124,8 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
       if constexpr (!kFloat)
         w.x.topRows(n) = Eigen::Map<RowMat<float>>(w.buf.data(), n, 2 * sw).cast<T>();
       if (rope)
-        detail::apply_rope(a.source, w.source_angles, /*inverse=*/true, a.source.num_kv_heads,
-                           w.x.data(), 2 * sw);
+        detail::apply_rope(a.source, w.source_angles[a.source_inv_freq.set(l)], /*inverse=*/true,
+                           a.source.num_kv_heads, w.x.data(), 2 * sw);
       if constexpr (kFloat)
         if (bf16) detail::tile_a_bf16(n, 2 * sw, w.x.data(), 2 * sw, w.x_bf16);
       for (int kind = 0; kind < 2; ++kind) {
@@ -140,8 +147,8 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
       }
     }
     if (rope)
-      detail::apply_rope(a.target, w.target_angles, /*inverse=*/false, a.target.num_kv_heads,
-                         w.y[0].data(), tw);
+      detail::apply_rope(a.target, w.target_angles[a.target_inv_freq.set(j)], /*inverse=*/false,
+                         a.target.num_kv_heads, w.y[0].data(), tw);
     for (int kind = 0; kind < 2; ++kind) {
       const float* plane = nullptr;
       if constexpr (kFloat) {

@@ -7,13 +7,13 @@
 
 namespace kvbridge::detail {
 
-std::vector<double> rope_inv_freq(const ModelSpec& spec) {
-  const int64_t half = spec.head_dim / 2;
+std::vector<double> rope_inv_freq(const LayerAttention& attention, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
   std::vector<double> inv(static_cast<size_t>(half));
-  const RopeScaling& s = spec.rope_scaling;
+  const RopeScaling& s = attention.rope_scaling;
   const double pi = 3.14159265358979323846;
   for (int64_t i = 0; i < half; ++i) {
-    double f = 1.0 / std::pow(spec.rope_base, static_cast<double>(2 * i) / spec.head_dim);
+    double f = 1.0 / std::pow(attention.rope_base, static_cast<double>(2 * i) / head_dim);
     if (s.type == RopeScaling::Type::kLinear) {
       f /= s.factor;
     } else if (s.type == RopeScaling::Type::kLlama3) {
@@ -31,6 +31,24 @@ std::vector<double> rope_inv_freq(const ModelSpec& spec) {
     inv[static_cast<size_t>(i)] = f;
   }
   return inv;
+}
+
+std::vector<double> rope_inv_freq(const ModelSpec& spec, int64_t layer) {
+  return rope_inv_freq(spec.layer(layer), spec.head_dim);
+}
+
+LayerInvFreq layer_inv_freq(const ModelSpec& spec) {
+  LayerInvFreq out;
+  out.set_of.reserve(static_cast<size_t>(spec.num_layers));
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    // Layers whose attention differs only in its window share a set; so do different RoPE
+    // settings that happen to give the same frequencies.
+    std::vector<double> inv = rope_inv_freq(spec, l);
+    const auto it = std::find(out.sets.begin(), out.sets.end(), inv);
+    out.set_of.push_back(static_cast<int64_t>(it - out.sets.begin()));
+    if (it == out.sets.end()) out.sets.push_back(std::move(inv));
+  }
+  return out;
 }
 
 namespace {

@@ -12,8 +12,24 @@
 
 namespace kvbridge::detail {
 
-/// Inverse frequencies (head_dim / 2 of them) after the spec's rope_scaling, in float64.
-std::vector<double> rope_inv_freq(const ModelSpec& spec);
+/// Inverse frequencies (head_dim / 2 of them) of one layer's RoPE after its scaling, in float64.
+std::vector<double> rope_inv_freq(const LayerAttention& attention, int64_t head_dim);
+/// Layer `layer`'s inverse frequencies (spec.layer(layer)).
+std::vector<double> rope_inv_freq(const ModelSpec& spec, int64_t layer);
+
+/// A spec's inverse frequencies for every layer, each distinct set once (Gemma 3's 18 layers have
+/// two), so that converts compute one table of angles per set, not per layer.
+struct LayerInvFreq {
+  std::vector<std::vector<double>> sets;  ///< distinct sets, in order of first use
+  std::vector<int64_t> set_of;            ///< per layer: its index into sets
+  /// Layer l's set: its index into sets.
+  size_t set(int64_t l) const { return static_cast<size_t>(set_of[static_cast<size_t>(l)]); }
+  /// Layer l's inverse frequencies.
+  const std::vector<double>& operator[](int64_t l) const { return sets[set(l)]; }
+  int64_t num_sets() const { return static_cast<int64_t>(sets.size()); }
+};
+/// Every layer's inverse frequencies of `spec` (valid).
+LayerInvFreq layer_inv_freq(const ModelSpec& spec);
 
 /// Largest absolute position a RoPE angle is computed for: positions are exact in double up to
 /// 2^53, so start_pos + tokens must not pass it (nor overflow int64).

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <type_traits>
 
 #include "kvbridge/error.h"
@@ -47,6 +48,13 @@ bool RopeScaling::operator==(const RopeScaling& o) const noexcept {
   return same;
 }
 
+bool LayerAttention::operator==(const LayerAttention& o) const noexcept {
+  bool same = true;
+  for_each_layer_attention_field(
+      [&](const char*, const auto& a, const auto& b) { same &= a == b; }, *this, o);
+  return same;
+}
+
 const char* rope_scaling_type_name(RopeScaling::Type type) noexcept {
   switch (type) {
     case RopeScaling::Type::kNone:
@@ -78,6 +86,29 @@ RopeStyle parse_rope_style(const std::string& name) {
   return RopeStyle::kHalf;
 }
 
+namespace {
+// The checks of one RoPE (the spec-wide one or a layer's), `what` naming its fields in messages.
+void check_rope(const std::string& what, double rope_base, const RopeScaling& s) {
+  KVB_CHECK(std::isfinite(rope_base) && rope_base > 0,
+            what << "rope_base must be finite and > 0, got " << rope_base);
+  KVB_CHECK(std::isfinite(s.factor) && s.factor > 0,
+            what << "rope_scaling.factor must be finite and > 0, got " << s.factor);
+  // Every field is finite whatever the type: it is part of the identity (a NaN would make the
+  // spec unequal to itself).
+  KVB_CHECK(std::isfinite(s.low_freq_factor) && std::isfinite(s.high_freq_factor),
+            what << "rope_scaling: low_freq_factor and high_freq_factor must be finite, got "
+                 << s.low_freq_factor << ", " << s.high_freq_factor);
+  if (s.type == RopeScaling::Type::kLlama3) {
+    KVB_CHECK(s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor,
+              what << "rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+                   << s.low_freq_factor << ", " << s.high_freq_factor);
+    KVB_CHECK(s.original_max_position > 0 && s.original_max_position <= (int64_t{1} << 53),
+              what << "rope_scaling.original_max_position must be > 0, got "
+                   << s.original_max_position << " (at most 2^53)");
+  }
+}
+}  // namespace
+
 void ModelSpec::validate() const {
   KVB_CHECK(!name.empty(), "ModelSpec.name must not be empty");
   KVB_CHECK(num_layers > 0 && num_layers <= kMaxDim,
@@ -87,42 +118,62 @@ void ModelSpec::validate() const {
   KVB_CHECK(head_dim > 0 && head_dim <= kMaxDim && head_dim % 2 == 0,
             "ModelSpec.head_dim must be an even number in [2, " << kMaxDim << "], got "
                                                                << head_dim);
-  KVB_CHECK(std::isfinite(rope_base) && rope_base > 0,
-            "ModelSpec.rope_base must be finite and > 0, got " << rope_base);
-  const RopeScaling& s = rope_scaling;
-  KVB_CHECK(std::isfinite(s.factor) && s.factor > 0,
-            "ModelSpec.rope_scaling.factor must be finite and > 0, got " << s.factor);
-  // Every field is finite whatever the type: it is part of the identity (a NaN would make the
-  // spec unequal to itself).
-  KVB_CHECK(std::isfinite(s.low_freq_factor) && std::isfinite(s.high_freq_factor),
-            "ModelSpec.rope_scaling: low_freq_factor and high_freq_factor must be finite, got "
-                << s.low_freq_factor << ", " << s.high_freq_factor);
-  if (s.type == RopeScaling::Type::kLlama3) {
-    KVB_CHECK(s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor,
-              "ModelSpec.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
-                  << s.low_freq_factor << ", " << s.high_freq_factor);
-    KVB_CHECK(s.original_max_position > 0 && s.original_max_position <= (int64_t{1} << 53),
-              "ModelSpec.rope_scaling.original_max_position must be > 0, got "
-                  << s.original_max_position << " (at most 2^53)");
+  check_rope("ModelSpec.", rope_base, rope_scaling);
+  KVB_CHECK(layer_attention.empty() || static_cast<int64_t>(layer_attention.size()) == num_layers,
+            "ModelSpec.layer_attention must be empty or hold one entry per layer ("
+                << num_layers << "), got " << layer_attention.size());
+  for (size_t l = 0; l < layer_attention.size(); ++l) {
+    const LayerAttention& a = layer_attention[l];
+    const std::string what = "ModelSpec.layer_attention[" + std::to_string(l) + "].";
+    check_rope(what, a.rope_base, a.rope_scaling);
+    KVB_CHECK(a.sliding_window >= 0,
+              what << "sliding_window must be >= 0 (0: full attention), got " << a.sliding_window);
   }
 }
 
+LayerAttention ModelSpec::layer(int64_t l) const {
+  KVB_CHECK(l >= 0 && l < num_layers,
+            "ModelSpec.layer: no layer " << l << " in a spec of " << num_layers << " layers");
+  if (!layer_attention.empty()) return layer_attention.at(static_cast<size_t>(l));
+  LayerAttention a;
+  a.rope_base = rope_base;
+  a.rope_scaling = rope_scaling;
+  return a;
+}
+
+bool ModelSpec::uniform_attention() const {
+  for (const LayerAttention& a : layer_attention)
+    if (a != layer_attention.front()) return false;
+  return true;
+}
+
+namespace {
+// Appends `value` under `key` to the fingerprint encoding: a leaf as one length-prefixed pair;
+// a struct as its fields under "key.field"; layer_attention as its size under its key, then
+// entry i's fields under "key.i.field" (nothing at all when empty, so specs without per-layer
+// entries keep their fingerprints).
+template <class T>
+void encode(std::string& enc, const std::string& key, const T& value) {
+  if constexpr (std::is_same_v<T, RopeScaling>) {
+    for_each_rope_scaling_field(
+        [&](const char* sub, const auto& v) { encode(enc, key + "." + sub, v); }, value);
+  } else if constexpr (std::is_same_v<T, LayerAttention>) {
+    for_each_layer_attention_field(
+        [&](const char* sub, const auto& v) { encode(enc, key + "." + sub, v); }, value);
+  } else if constexpr (std::is_same_v<T, std::vector<LayerAttention>>) {
+    if (value.empty()) return;
+    append_field(enc, key, std::to_string(value.size()));
+    for (size_t i = 0; i < value.size(); ++i) encode(enc, key + "." + std::to_string(i), value[i]);
+  } else {
+    append_field(enc, key, field_text(value));
+  }
+}
+}  // namespace
+
 std::string ModelSpec::fingerprint() const {
   std::string enc = "kvbridge.ModelSpec.v1";
-  for_each_spec_field(
-      [&](const char* key, const auto& value) {
-        using T = std::decay_t<decltype(value)>;
-        if constexpr (std::is_same_v<T, RopeScaling>) {
-          for_each_rope_scaling_field(
-              [&](const char* sub, const auto& v) {
-                append_field(enc, std::string("rope_scaling.") + sub, field_text(v));
-              },
-              value);
-        } else {
-          append_field(enc, key, field_text(value));
-        }
-      },
-      *this);
+  for_each_spec_field([&](const char* key, const auto& value) { encode(enc, key, value); },
+                      *this);
   return detail::xxh3_128(enc.data(), enc.size()).hex();
 }
 

@@ -66,7 +66,7 @@ TEST(Rope, MatchesDirectFormulaAndInverts) {
     s.rope_scaling.type = RopeScaling::Type::kLlama3;
     s.rope_scaling.factor = 8;
     s.rope_scaling.original_max_position = 64;
-    const auto inv = detail::rope_inv_freq(s);
+    const auto inv = detail::rope_inv_freq(s, 0);
     // 1031 tokens: more than one block of angles (apply_rope computes them 1024 at a time).
     const int64_t T = 1031, start = 37, ld = 3 * 10 + 4;
     std::mt19937 rng(1);
@@ -93,13 +93,13 @@ TEST(Rope, MatchesDirectFormulaAndInverts) {
 
 TEST(Rope, ScalingSchemes) {
   ModelSpec s = make_spec("r", 1, 1, 128, 500000.0, RopeStyle::kHalf);
-  const auto plain = detail::rope_inv_freq(s);
+  const auto plain = detail::rope_inv_freq(s, 0);
   s.rope_scaling.type = RopeScaling::Type::kLinear;
   s.rope_scaling.factor = 4;
-  const auto linear = detail::rope_inv_freq(s);
+  const auto linear = detail::rope_inv_freq(s, 0);
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_DOUBLE_EQ(linear[i], plain[i] / 4);
   s.rope_scaling = RopeScaling{RopeScaling::Type::kLlama3, 8.0, 1.0, 4.0, 8192};
-  const auto llama3 = detail::rope_inv_freq(s);
+  const auto llama3 = detail::rope_inv_freq(s, 0);
   EXPECT_DOUBLE_EQ(llama3[0], plain[0]);              // high frequency: unchanged
   EXPECT_DOUBLE_EQ(llama3.back(), plain.back() / 8);  // low frequency: divided by factor
 }
@@ -110,11 +110,10 @@ void fill_position_free(FloatKV& kv, std::mt19937& rng) {
   for (auto& v : kv.data) v = dist(rng);
 }
 void rotate_keys(FloatKV& kv, int64_t start_pos) {
-  const auto inv = detail::rope_inv_freq(kv.spec);
   const int64_t w = kv.spec.num_kv_heads * kv.spec.head_dim;
   for (int64_t l = 0; l < kv.spec.num_layers; ++l)
-    detail::apply_rope(kv.spec, inv, start_pos, false, kv.tokens, kv.spec.num_kv_heads,
-                       kv.plane(l, 0), w);
+    detail::apply_rope(kv.spec, detail::rope_inv_freq(kv.spec, l), start_pos, false, kv.tokens,
+                       kv.spec.num_kv_heads, kv.plane(l, 0), w);
 }
 
 // ||out - ref|| / ||ref|| over all elements.
@@ -660,9 +659,9 @@ TEST(AdapterFitter, AlignmentBadInput) {
 void gathered_source(const ModelSpec& spec, const KVView& src, int64_t start,
                      const std::vector<int64_t>& rows, int64_t tstart, FloatKV& out) {
   const int64_t w = spec.num_kv_heads * spec.head_dim, n = static_cast<int64_t>(rows.size());
-  const auto inv = detail::rope_inv_freq(spec);
   for (int64_t l = 0; l < spec.num_layers; ++l)
     for (int k = 0; k < 2; ++k) {
+      const auto inv = detail::rope_inv_freq(spec, l);
       float* p = out.plane(l, k);
       detail::load_plane(src.plane(l, static_cast<KVView::Kind>(k)), src.dtype(), n,
                          spec.num_kv_heads, spec.head_dim, p, w, rows.data());
@@ -753,7 +752,7 @@ TEST(ConvertElements, HostRunOfTheDevicePipelineMatchesReference) {
 
     const int64_t sh = source.num_kv_heads, sd = source.head_dim, th = target.num_kv_heads,
                   td = target.head_dim, sw = sh * sd, tw = th * td;
-    const auto sinv = detail::rope_inv_freq(source), tinv = detail::rope_inv_freq(target);
+    const auto sinv = detail::rope_inv_freq(source, 0), tinv = detail::rope_inv_freq(target, 0);
     std::vector<cuda::CosSin> stab(static_cast<size_t>(T * sd / 2)),
         ttab(static_cast<size_t>(T * td / 2));
     for (int64_t t = 0; t < T; ++t) {

@@ -124,7 +124,8 @@ std::shared_ptr<const LinearAdapter> fit_planted(const ModelSpec& source, const 
   FitOptions options;
   options.selection = FitOptions::Selection::kAll;
   AdapterFitter fitter(source, target, options);
-  const auto src_inv = detail::rope_inv_freq(source), tgt_inv = detail::rope_inv_freq(target);
+  const auto src_inv = detail::rope_inv_freq(source, 0);
+  const auto tgt_inv = detail::rope_inv_freq(target, 0);
   for (int sample = 0; sample < 4; ++sample) {
     const int64_t T = 101, start = 11 + 300 * sample;
     FloatKV src(source, T), tgt(target, T);

@@ -49,7 +49,7 @@ def stub_members(cls):
     return out
 
 
-@pytest.mark.parametrize("name", ["ModelSpec", "RopeScaling"])
+@pytest.mark.parametrize("name", ["ModelSpec", "RopeScaling", "LayerAttention"])
 def test_stub_fields_match_binding(name):
     cls = stub_class(name)
     fields = getattr(_core, name).FIELDS
@@ -83,10 +83,12 @@ def test_model_spec_fields_are_the_constructor():
     fields = _core.ModelSpec.FIELDS
     assert [f[0] for f in fields] == ["name", "num_layers", "num_kv_heads", "head_dim", "dtype",
                                       "version", "tokenizer", "rope_base", "rope_style",
-                                      "rope_scaling"]
+                                      "rope_scaling", "layer_attention"]
     scaling = kvbridge.RopeScaling("llama3", factor=8.0, low_freq_factor=1.5,
                                    high_freq_factor=3.5, original_max_position=4097)
-    values = ["m/x", 3, 5, 14, "bfloat16", "rev-7", "tok-3", 5e5, "interleaved", scaling]
+    layers = [kvbridge.LayerAttention(1e4, sliding_window=512),
+              kvbridge.LayerAttention(2e6, scaling), kvbridge.LayerAttention(3e4)]
+    values = ["m/x", 3, 5, 14, "bfloat16", "rev-7", "tok-3", 5e5, "interleaved", scaling, layers]
     by_position = kvbridge.ModelSpec(*values)
     by_name = kvbridge.ModelSpec(**{f[0]: v for f, v in zip(fields, values)})
     assert by_position == by_name and by_position.fingerprint == by_name.fingerprint
@@ -105,7 +107,10 @@ def test_model_spec_fields_are_the_constructor():
 @pytest.mark.parametrize("name, value", [("name", 5), ("dtype", 3), ("version", 1.5),
                                          ("tokenizer", None), ("rope_base", "1e4"),
                                          ("rope_style", 0), ("rope_scaling", "none"),
-                                         ("num_kv_heads", 2.0), ("head_dim", True)])
+                                         ("num_kv_heads", 2.0), ("head_dim", True),
+                                         ("layer_attention", None),
+                                         ("layer_attention", [None, None]),
+                                         ("layer_attention", "full")])
 def test_model_spec_argument_types(name, value):
     args = {"name": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, name: value}
     with pytest.raises(TypeError, match=name):
@@ -145,7 +150,8 @@ def test_model_spec_required_arguments():
     with pytest.raises(TypeError):
         kvbridge.ModelSpec("m", 2, 2)
     with pytest.raises(TypeError):
-        kvbridge.ModelSpec("m", 2, 2, 8, "float32", "", "", 1e4, "half", kvbridge.RopeScaling(), 1)
+        kvbridge.ModelSpec("m", 2, 2, 8, "float32", "", "", 1e4, "half", kvbridge.RopeScaling(), [],
+                           1)
 
 
 def test_bridge_options_from_the_binding():
