@@ -338,7 +338,10 @@ class Bridge {
   ///     of `tokens`: target.ids must equal tokens[0, target.ids.size()), and the caller has
   ///     checked that decoding those tokens and encoding the text again reproduces them (where it
   ///     does not, pass only the part that does: the rest is never served across tokenizers and
-  ///     is counted in BridgeStats::unverified_tokens). Spans are byte ranges of that text.
+  ///     is counted in BridgeStats::unverified_tokens). Spans are byte ranges of that text, and
+  ///     are trusted: the caller also cuts the tokenization before the first token whose span
+  ///     does not hold that token's decoded text (Python's Bridge does, for the target and each
+  ///     source tokenization), or a misaligned cache would be converted.
   /// tokenize: the same text under a source tokenizer (see TokenizeText).
   /// Candidates are those of load() plus, for every usable adapter S -> spec whose source has
   /// another tokenizer id (add_adapter lets only adapters with an alignment policy in), S's cached
