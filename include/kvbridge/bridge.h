@@ -40,6 +40,31 @@
 // what the adapter wrote back (invalidate_adapter). enable_adapter() re-enables it with an empty
 // window. The state lives here, so every binding and the vLLM connector see one state.
 //
+// Dropped adapters: disable_adapter, remove_adapter, a replacing add_adapter (another
+// fingerprint) and a disabling record_check drop an adapter. Once such a call returns, nothing
+// the adapter converted is stored or served by this Bridge, in any tier:
+//  - a load that converted with it before the drop does not write back and returns only its
+//    native prefix (counted in dropped_writes): the write-back and the check that the adapter is
+//    still in use are one step, and the drop waits for write-backs already past that check, then
+//    purges (invalidate_adapter);
+//  - save() with a provenance naming it stores nothing (returns 0, counted in dropped_writes);
+//  - cached entries whose provenance names it are never served (native or as a conversion's
+//    source): a prefix ends before the first such chunk (the cut tokens count in dropped_tokens).
+//    This covers entries another process writes back later, or that a failed Redis purge left.
+// enable_adapter and registering the fingerprint again (add_adapter) undo the drop.
+// Other processes sharing the disk directory or Redis: the purge deletes the adapter's entries
+// from both before the dropping call returns, so their lookups that reach those tiers miss
+// them at once; entries already in their memory tiers, and write-backs by a process that still
+// uses the adapter, stay until the adapter is dropped in that process too (call the same
+// method in every process, e.g. through the vLLM shadow worker extension's disable_adapter).
+//
+// Non-finite numbers: save() refuses KV holding a NaN or an infinity (InvalidArgument, nothing
+// stored, counted in nonfinite_refused). A conversion whose source KV (an entry put directly
+// into the KVStore) or output holds one is dropped: nothing is written back and the load returns
+// its native prefix (counted in nonfinite_refused). LinearAdapter::convert casts with saturation
+// (finite float32 results beyond float16 / bfloat16 range become the largest finite value), so
+// finite input converts to finite output unless the float32 arithmetic itself overflows.
+//
 // Thread safety: every method may be called concurrently. The adapter registry is guarded by a
 // mutex held only to copy the candidate list; lookups, copies and conversions run outside it.
 // Stats are atomics (a stats() snapshot is per counter, not a consistent cut).
@@ -159,6 +184,13 @@ struct AdapterHealth {
     "Prompt tokens past the verified prefix of a load across tokenizers (never served).")        \
   X(int64_t, aligned_hits, "aligned_hits_total", counter,                                        \
     "Converted hits across tokenizers (of converted_hits).")                                     \
+  X(int64_t, dropped_writes, "dropped_writes_total", counter,                                  \
+    "Write-backs and saves not stored because their adapter was dropped (disabled, removed or " \
+    "replaced).")                                                                                \
+  X(int64_t, dropped_tokens, "dropped_tokens_total", counter,                                    \
+    "Cached tokens not served because their entry's provenance names a dropped adapter.")       \
+  X(int64_t, nonfinite_refused, "nonfinite_refused_total", counter,                              \
+    "Saves refused and conversions dropped for KV holding a NaN or an infinity.")               \
   X(double, lookup_seconds, "lookup_seconds_total", counter,                                     \
     "Seconds spent in store lookups and copies out of the store.")                               \
   X(double, convert_seconds, "convert_seconds_total", counter,                                   \
@@ -254,8 +286,8 @@ class Bridge {
   /// Adapters under min_quality are accepted but never used. Replacing an adapter by one with
   /// another fingerprint purges the replaced one's written-back entries (invalidate_adapter).
   void add_adapter(std::shared_ptr<const LinearAdapter> adapter, bool replace = false);
-  /// Unregisters the adapter for (source, target) and purges its written-back entries; false if
-  /// there was none.
+  /// Unregisters the adapter for (source, target), drops it (see "Dropped adapters" above) and
+  /// purges its written-back entries; false if there was none.
   bool remove_adapter(const ModelSpec& source, const ModelSpec& target);
   /// Removes every entry `adapter` wrote back (KVStore::invalidate_adapter on its target and
   /// fingerprint), in every tier; the target's own entries stay. The adapter need not be
@@ -273,16 +305,27 @@ class Bridge {
   /// Checks of a disabled adapter are counted but change nothing.
   bool record_check(const std::string& adapter_fingerprint, const QualityCheck& check);
   /// Disables / re-enables the registered adapter with this fingerprint; false if there is none.
-  /// disable_adapter purges what it wrote back; enable_adapter empties its rolling window.
+  /// disable_adapter drops it (see "Dropped adapters" above): it waits for write-backs of the
+  /// adapter already under way, then purges what it wrote back. enable_adapter empties its
+  /// rolling window and undoes the drop.
   bool disable_adapter(const std::string& adapter_fingerprint);
   bool enable_adapter(const std::string& adapter_fingerprint);
+  /// True when this Bridge has dropped the adapter with this fingerprint (disabled, removed or
+  /// replaced it, and not re-enabled or registered it again since): entries naming it in their
+  /// provenance are not served, saves naming it not stored.
+  bool adapter_dropped(const std::string& adapter_fingerprint) const;
   /// Monitoring state of every registered adapter, in registration order.
   std::vector<AdapterHealth> adapter_health() const;
 
   /// Stores `kv` as `spec`'s cache of `tokens`: KVStore::put with the same contract (a CPU view
   /// matching spec, kv.tokens() == tokens.size). Returns the tokens now cached.
+  /// `provenance`: of KV that is not spec's own prefill (computed over a converted prefix, as
+  /// Load::converted_from and Load::adapter say); recorded with the chunks. When it names an
+  /// adapter this Bridge has dropped nothing is stored and 0 returned; a drop that starts while
+  /// this call stores waits for it and then purges what it stored.
+  /// Throws InvalidArgument, storing nothing, when kv holds a NaN or an infinity.
   int64_t save(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
-               std::string_view ns = "default");
+               std::string_view ns = "default", const Provenance& provenance = {});
 
   /// The longest usable prefix of `tokens` for `spec` (see the policy above). A miss is an empty
   /// Load, also for empty or one-token prompts. Throws InvalidArgument for a bad spec or token ids
@@ -295,7 +338,10 @@ class Bridge {
   ///     of `tokens`: target.ids must equal tokens[0, target.ids.size()), and the caller has
   ///     checked that decoding those tokens and encoding the text again reproduces them (where it
   ///     does not, pass only the part that does: the rest is never served across tokenizers and
-  ///     is counted in BridgeStats::unverified_tokens). Spans are byte ranges of that text.
+  ///     is counted in BridgeStats::unverified_tokens). Spans are byte ranges of that text, and
+  ///     are trusted: the caller also cuts the tokenization before the first token whose span
+  ///     does not hold that token's decoded text (Python's Bridge does, for the target and each
+  ///     source tokenization), or a misaligned cache would be converted.
   /// tokenize: the same text under a source tokenizer (see TokenizeText).
   /// Candidates are those of load() plus, for every usable adapter S -> spec whose source has
   /// another tokenizer id (add_adapter lets only adapters with an alignment policy in), S's cached
@@ -323,6 +369,15 @@ class Bridge {
   /// kvbridge_bridge_adapter_{enabled,agreement,kl,loss_gap,window_checks} and the counters
   /// kvbridge_bridge_adapter_{checks,disables}_total (NaN figures are written as NaN).
   std::string prometheus_text() const;
+
+  /// Test seam: `hook` is called with the name of a point a call reaches, on the calling
+  /// thread: "converted" (load, after converting and before the write-back with its check that
+  /// the adapter is still in use), "writing" (load or save, inside that check: the adapter's
+  /// drop waits until the write ends), "dropped" (a drop, after marking the adapter and before
+  /// waiting for its writes and purging; called with the registry lock held, so that hook must
+  /// not call the Bridge). An empty function removes it. Set it while no other call runs; for
+  /// tests that order races deterministically.
+  void set_test_hook(std::function<void(std::string_view point)> hook);
 
  private:
   Load load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,

@@ -33,11 +33,28 @@ def _spans(name: str, offsets: Any) -> Tuple[List[int], List[int]]:
     arr = np.asarray(offsets)
     if arr.size == 0:
         return [], []
+    if arr.dtype.kind in "fO" and not isinstance(offsets, np.ndarray):
+        # Python ints beyond int64 make numpy pick float64 or object: name the offset.
+        try:
+            values = [x for pair in offsets for x in pair]
+        except TypeError:
+            values = []
+        huge = [x for x in values if isinstance(x, int) and not isinstance(x, bool)
+                and not -2**63 <= x < 2**63]
+        if huge:
+            raise _core.InvalidArgumentError(
+                f"{name}: offset {huge[0]} is not a byte offset (beyond 64-bit signed range)")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected (start, end) pairs of ints, got dtype {arr.dtype}")
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise _core.InvalidArgumentError(
             f"{name}: expected (start, end) pairs, got an array of shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        # int64 would wrap it to a negative offset and the error would name another span.
+        i = int(np.argmax(arr.max(axis=1) > np.iinfo(np.int64).max))
+        raise _core.InvalidArgumentError(
+            f"{name}: token {i}'s span [{int(arr[i, 0])}, {int(arr[i, 1])}) is not a byte "
+            f"range (offsets above 2^63 - 1)")
     arr = arr.astype(np.int64)
     return arr[:, 0].tolist(), arr[:, 1].tolist()
 

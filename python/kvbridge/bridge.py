@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import inspect
+import logging
 import textwrap
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -15,6 +16,8 @@ from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
 from kvbridge.adapter import LinearAdapter
 from kvbridge.align import token_offsets
 from kvbridge.store import KVStore
+
+log = logging.getLogger("kvbridge.bridge")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class Bridge:
         self._exact_layers = _args.size("exact_layers", options["exact_layers"])
         self._tokenizers: Dict[str, Tuple[str, Any]] = {}  # model name -> (tokenizer id, tokenizer)
         self._lock = threading.Lock()
+        self._tokenizer_errors = 0  # guarded by _lock
         self._native = _core.Bridge(store._store, **{
             name: _OPTION_CHECKS[kind](name, options[name]) for name, kind, _, _ in _OPTIONS})
 
@@ -197,8 +201,20 @@ class Bridge:
 
     def disable_adapter(self, adapter: Union[LinearAdapter, str]) -> bool:
         """Stops converting with the registered adapter (or fingerprint) and purges what it wrote
-        back; False if it is not registered."""
+        back; False if it is not registered. Once it returns nothing the adapter converted is
+        stored or served by this Bridge (see adapter_dropped); a load converting with it at that
+        moment returns its native prefix only."""
         return self._native.disable_adapter(_fingerprint(adapter))
+
+    def adapter_dropped(self, adapter: Union[LinearAdapter, str]) -> bool:
+        """True when this Bridge has dropped the adapter (or fingerprint): disabled, removed or
+        replaced it, and not re-enabled or registered it again since. Cached entries whose
+        provenance names a dropped adapter are never served (a prefix ends before the first of
+        them), and saves naming it store nothing. Other processes sharing the store's disk
+        directory or Redis find the adapter's entries there deleted when the dropping call
+        returns; what is in their memory tiers stays until they drop the adapter too (README,
+        "Dropping an adapter")."""
+        return self._native.adapter_dropped(_fingerprint(adapter))
 
     def enable_adapter(self, adapter: Union[LinearAdapter, str]) -> bool:
         """Re-enables a disabled adapter (or fingerprint) with an empty check window; False if it
@@ -212,13 +228,24 @@ class Bridge:
         return self._native.adapter_health()
 
     def save(self, spec: _core.ModelSpec, tokens: Any, kv: KVCache,
-             namespace: str = "default") -> int:
+             namespace: str = "default", *, converted_from: str = "",
+             adapter: str = "") -> int:
         """Stores the model's KV for `tokens` (as KVStore.put: a legacy tuple or a DynamicCache);
-        returns the tokens now cached."""
+        returns the tokens now cached.
+
+        KV holding a NaN or an infinity is refused: kvbridge.InvalidArgumentError (a ValueError)
+        naming the layer and token, nothing stored (stats()["nonfinite_refused"]).
+        converted_from, adapter: provenance of KV that is not the model's own prefill (computed
+        over a converted prefix: Load.converted_from and Load.adapter); recorded with the chunks,
+        so that invalidate_adapter and a dropped adapter purge them. When `adapter` names an
+        adapter this Bridge has dropped (adapter_dropped) nothing is stored and 0 returned
+        (stats()["dropped_writes"])."""
         ids = as_tokens(tokens)
         pairs = host_kv(kv)
         keys, values = kv_views(pairs)
-        return self._native.save(spec, ids, keys, values, _args.text("namespace", namespace))
+        return self._native.save(spec, ids, keys, values, _args.text("namespace", namespace),
+                                 _args.text("converted_from", converted_from),
+                                 _args.text("adapter", adapter))
 
     def load(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default", *,
              return_kv: bool = True,
@@ -228,8 +255,12 @@ class Bridge:
 
         Across tokenizers (spec has a tokenizer registered and an adapter to it comes from
         another tokenizer): the prompt is decoded and encoded again; only the prefix whose round
-        trip reproduces its ids and text is served that way (the rest counts in
-        stats()["unverified_tokens"]). That text is tokenized with each source's registered
+        trip reproduces its ids and text, and whose tokens' byte ranges each hold that token's
+        own decoded text, is served that way (the rest counts in stats()["unverified_tokens"];
+        see _verified_prefix). A tokenizer that raises or misbehaves (decode returning something
+        other than a str) is logged (logger kvbridge.bridge), counted in
+        stats()["tokenizer_errors"] and left out: the load goes on without it (the model's own
+        cache and same-tokenizer adapters still serve it). That text is tokenized with each source's registered
         tokenizer, the source's cached prefix is found, and the longest target prefix whose
         tokens all have an aligned source token in it and whose text it covers is converted
         (include/kvbridge/bridge.h, the load overload with tokenizations) and written back.
@@ -277,19 +308,42 @@ class Bridge:
             return None
         tokenizer = known[1]
         prompt = [int(i) for i in ids]
-        text, target = _verified_prefix(tokenizer, prompt)
+        try:
+            text, target = _verified_prefix(tokenizer, prompt, spec.name)
+        except Exception as e:  # a broken target tokenizer: serve what needs no tokenizer
+            self._tokenizer_error(spec.tokenizer, tokenizer, e)
+            return None
+        raw = text.encode("utf-8")
 
         def tokenize(tokenizer_id: str):
             source = by_id.get(tokenizer_id)
             if source is None:
                 return None
-            return _tokenization(*token_offsets(source, text))
+            try:
+                sids, offsets, roles = token_offsets(source, text)
+                # Only the tokens whose byte ranges hold their own text (see _verified_prefix).
+                k = _spans_hold_their_text(source, sids, offsets, roles, raw, tokenizer_id)
+                return _tokenization(sids[:k], offsets[:k], roles[:k])
+            except Exception as e:  # one broken source tokenizer leaves the others usable
+                self._tokenizer_error(tokenizer_id, source, e)
+                return None
 
         return target, tokenize
 
+    def _tokenizer_error(self, tokenizer_id: str, tokenizer: Any, error: Exception) -> None:
+        with self._lock:
+            self._tokenizer_errors += 1
+        log.warning("kvbridge: tokenizer %r (%s) failed during a load across tokenizers; the "
+                    "load goes on without it: %s: %s", tokenizer_id, type(tokenizer).__name__,
+                    type(error).__name__, error)
+
     def stats(self) -> dict:
-        """Counters and times: see BridgeStats in include/kvbridge/bridge.h."""
-        return self._native.stats()
+        """Counters and times: see BridgeStats in include/kvbridge/bridge.h; and
+        "tokenizer_errors", the tokenizer failures loads across tokenizers went on without."""
+        out = self._native.stats()
+        with self._lock:
+            out["tokenizer_errors"] = self._tokenizer_errors
+        return out
 
     def metrics(self) -> str:
         """The stats in Prometheus text format (kvbridge_bridge_* families)."""
@@ -348,23 +402,91 @@ def _tokenization(ids, offsets, roles):
             ["" if r is None else r for r in roles])
 
 
-def _decode(tokenizer: Any, ids: List[int]) -> str:
+def _decode(tokenizer: Any, ids: List[int], name: str = "") -> str:
     try:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
     except TypeError:  # the testbed tokenizers drop special ids themselves
-        return tokenizer.decode(ids)
+        text = tokenizer.decode(ids)
+    if not isinstance(text, str):
+        raise _core.InvalidArgumentError(
+            f"tokenizer {type(tokenizer).__name__}{' of ' + name if name else ''}: decode "
+            f"returned {type(text).__name__}, expected a str")
+    return text
 
 
-def _verified_prefix(tokenizer: Any, prompt: List[int]):
+def _spans_hold_their_text(tokenizer: Any, ids: List[int], offsets: List[Tuple[int, int]],
+                           roles: List[Optional[str]], raw: bytes, name: str = "") -> int:
+    """How many leading tokens have byte ranges that hold their own text: for each ordinary
+    token, its decoded text alone (decode([id])) must equal the text's bytes in its range (read
+    as UTF-8, U+FFFD for partial characters), or that with a leading space (decoders that drop
+    the space a word-initial piece stands for when it is decoded first). A piece holding part of
+    a character (a byte-level or byte-fallback token inside a multi-byte character decodes to
+    U+FFFD) needs a range holding a non-ASCII character (the whole one, for character-based
+    offsets, or U+FFFD for a byte range inside it) and the piece's whole characters. Special tokens (a role)
+    have empty ranges, which align() checks. One decode per distinct id."""
+    pieces: Dict[int, str] = {}
+    for j, (i, (s, e), role) in enumerate(zip(ids, offsets, roles)):
+        if role is not None:
+            continue
+        piece = pieces.get(i)
+        if piece is None:
+            piece = pieces[i] = _decode(tokenizer, [i], name)
+        span = raw[s:e].decode("utf-8", errors="replace")
+        if piece == span or " " + piece == span:
+            continue
+        # Part of a character (byte-level and byte-fallback pieces): decode gives U+FFFD, and
+        # character-based offsets give the whole character; the whole characters must be there.
+        if ("\ufffd" in piece and any(ord(c) > 127 for c in span)
+                and all(part in span for part in piece.split("\ufffd"))):
+            continue
+        return j
+    return len(ids)
+
+
+def _longest_decoding_prefix(tokenizer: Any, prompt: List[int], v: int, ends: List[int],
+                             raw: bytes, name: str = "") -> int:
+    """A u <= v such that prompt[:u] decodes to exactly raw[:ends[u - 1]] (u = 0 always does):
+    v itself when it does, else found by galloping down from v (v - 1, v - 2, v - 4, ...) to one
+    that does and bisecting the last step. At most about 2 log2(v) + 2 decodes of at most v ids,
+    where trying each length down from v took up to v (quadratic in the prompt for a decode that
+    is not prefix-stable). The result is the longest such u wherever the property holds for
+    every length up to some point and for none after it, as for every tokenizer whose decode
+    only differs from the text at its end (a character cut by the prefix's last token)."""
+
+    def decodes(u: int) -> bool:
+        return u == 0 or _decode(tokenizer, prompt[:u], name).encode("utf-8") == raw[:ends[u - 1]]
+
+    if decodes(v):
+        return v
+    bad, step = v, 1  # bad: a length known not to decode
+    while True:
+        good = max(v - step, 0)
+        if decodes(good):
+            break
+        bad, step = good, 2 * step
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if decodes(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _verified_prefix(tokenizer: Any, prompt: List[int], name: str = ""):
     """The prompt's text and the target tokenization of its verified prefix.
 
     The prompt is decoded to text and encoded again (with the tokenizer's special tokens when
     the prompt starts with them). The verified prefix is the longest common prefix of the prompt
-    and the re-encoding, shortened until the text of its tokens (decoded on their own) is exactly
-    the start of the text up to its last token's end: only then do its spans describe the prompt.
-    Tokens past it (normalisation, unknown bytes, special tokens inside the text) are never
-    served across tokenizers. Returns (text of the verified prefix, tokenization)."""
-    text = _decode(tokenizer, prompt)
+    and the re-encoding, cut before the first token whose byte range does not hold its own text
+    (_spans_hold_their_text: offsets that are shifted or otherwise wrong), and then shortened
+    until the text of its tokens (decoded together) is exactly the start of the text up to its
+    last token's end (_longest_decoding_prefix): only then do its spans describe the prompt.
+    Tokens past it (normalisation, unknown bytes, special tokens inside the text, misaligned
+    offsets) are never served across tokenizers. Cost: about n distinct-id decodes of one token
+    and O(log n) decodes of at most n tokens. Returns (text of the verified prefix,
+    tokenization)."""
+    text = _decode(tokenizer, prompt, name)
     for add_bos in (True, False):
         ids, offsets, roles = token_offsets(tokenizer, text, add_bos=add_bos)
         v = 0
@@ -373,12 +495,12 @@ def _verified_prefix(tokenizer: Any, prompt: List[int]):
         if v > 0 or not add_bos:
             break
     raw = text.encode("utf-8")
-    while v > 0:
-        end = max(e for _, e in offsets[:v])
-        if _decode(tokenizer, prompt[:v]).encode("utf-8") == raw[:end]:
-            break
-        v -= 1
-    end = max((e for _, e in offsets[:v]), default=0)
+    v = _spans_hold_their_text(tokenizer, ids[:v], offsets[:v], roles[:v], raw, name)
+    ends: List[int] = []  # ends[u - 1]: where the text of tokens [0, u) ends
+    for _, e in offsets[:v]:
+        ends.append(max(e, ends[-1]) if ends else e)
+    v = _longest_decoding_prefix(tokenizer, prompt, v, ends, raw, name)
+    end = ends[v - 1] if v else 0
     return raw[:end].decode("utf-8", errors="strict"), _tokenization(ids[:v], offsets[:v], roles[:v])
 
 

@@ -24,7 +24,16 @@ per-adapter figures; ``metrics()`` the Bridge's Prometheus text, which carries t
 adapter fingerprint.
 
 Shadow checks run in the calling thread, after the load and before ``load()`` returns (one own
-prefill of the prompt and one forward of its last ``positions`` tokens per sampled load).
+prefill of the prompt and one forward of its last ``positions`` tokens per sampled load). A check
+never raises into ``load()``: a failure is logged and counted (``stats()["check_errors"]``) and
+the load is returned as it is.
+
+Non-finite logits: a position where the model's own prefill gives a NaN or an infinity says
+nothing about the adapter and is left out; one where only the converted cache does is a failed
+position (not agreed; left out of the KL and loss-gap sums, which stay finite), so a cache that
+turns the target's logits non-finite drives the agreement down and disables the adapter like
+any other bad conversion (``Check.nonfinite`` counts those positions, ``stats()["nonfinite"]``
+the checks that had any).
 
 ``probe_adapter`` runs the same comparison on a few prompts sampled from the source model with
 a fixed seed (or given ones); ``Bridge.add_adapter(..., source_model=, target_model=)`` refuses
@@ -66,6 +75,7 @@ class Check:
     kl_sum: float         # sum of KL(own || converted), nats
     loss_positions: int   # positions whose true next token is known
     loss_gap_sum: float   # sum over those of CE(converted) - CE(own), nats
+    nonfinite: int = 0    # of `positions`, those whose converted logits were not all finite
 
     @property
     def agreement(self) -> float:
@@ -82,26 +92,37 @@ class Check:
     def __add__(self, other: "Check") -> "Check":
         return Check(self.positions + other.positions, self.agreed + other.agreed,
                      self.kl_sum + other.kl_sum, self.loss_positions + other.loss_positions,
-                     self.loss_gap_sum + other.loss_gap_sum)
+                     self.loss_gap_sum + other.loss_gap_sum, self.nonfinite + other.nonfinite)
 
 
 def compare_logits(own: torch.Tensor, conv: torch.Tensor, next_tokens: torch.Tensor) -> Check:
     """A Check from next-token logits [m, vocab] after the model's own prefill (`own`) and after
     the converted cache (`conv`) at the same m positions; next_tokens: the true next tokens of the
-    first len(next_tokens) <= m of them. Computed in float64."""
+    first len(next_tokens) <= m of them. Computed in float64. Positions whose `own` logits are
+    not all finite are left out (the Check may then have 0 positions); positions whose `conv`
+    logits are not all finite count as not agreed and in `nonfinite`, and are left out of the
+    KL and loss-gap sums (module docstring)."""
     if own.shape != conv.shape or own.dim() != 2 or own.shape[0] == 0:
         raise _core.InvalidArgumentError(f"logits: expected two equal [m > 0, vocab] shapes, got "
                          f"{tuple(own.shape)} and {tuple(conv.shape)}")
     if next_tokens.numel() > own.shape[0]:
         raise _core.InvalidArgumentError(f"next_tokens: {next_tokens.numel()} for {own.shape[0]} positions")
-    lp_own = torch.log_softmax(own.double(), -1)
-    lp_conv = torch.log_softmax(conv.double(), -1)
+    own, conv = own.double(), conv.double()
+    judged = torch.isfinite(own).all(-1)
+    failed = judged & ~torch.isfinite(conv).all(-1)
+    good = judged & ~failed
+    lp_own = torch.log_softmax(own[good], -1)
+    lp_conv = torch.log_softmax(conv[good], -1)
     kl = (lp_own.exp() * (lp_own - lp_conv)).sum(-1).clamp_min(0)
+    agreed = int((own[good].argmax(-1) == conv[good].argmax(-1)).sum())
     n = int(next_tokens.numel())
-    t = next_tokens.long().view(-1, 1)
-    gap = (lp_own[:n].gather(1, t) - lp_conv[:n].gather(1, t)).sum() if n else torch.zeros(())
-    return Check(int(own.shape[0]), int((own.argmax(-1) == conv.argmax(-1)).sum()),
-                 float(kl.sum()), n, float(gap))
+    rows = good[:n].nonzero().view(-1)  # positions with a true next token, judged and finite
+    t = next_tokens.long().view(-1)[rows].view(-1, 1)
+    lp_own_n = torch.log_softmax(own[rows], -1)
+    lp_conv_n = torch.log_softmax(conv[rows], -1)
+    gap = (lp_own_n.gather(1, t) - lp_conv_n.gather(1, t)).sum() if len(rows) else torch.zeros(())
+    return Check(int(judged.sum()), agreed, float(kl.sum()), int(len(rows)), float(gap),
+                 int(failed.sum()))
 
 
 @torch.no_grad()
@@ -255,7 +276,7 @@ class QualityMonitor:
         self._rng = random.Random(_args.seed("seed", seed))
         self._lock = threading.Lock()
         self._counts = {"eligible": 0, "sampled": 0, "checks": 0, "disables": 0,
-                        "unregistered": 0}
+                        "unregistered": 0, "check_errors": 0, "nonfinite": 0, "unjudged": 0}
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -279,15 +300,26 @@ class QualityMonitor:
             kwargs.setdefault("model", model)
         found = self.bridge.load(spec, tokens, namespace, **kwargs)
         if found.adapter and found.kv is not None and model is not None and self._sampled():
-            self.check(found, tokens, model)
+            try:
+                self.check(found, tokens, model)
+            except Exception as e:  # a shadow check never fails the load it watches
+                self._count("check_errors")
+                log.warning("shadow check of adapter %s failed, load served unchecked: %s: %s",
+                            found.adapter, type(e).__name__, e)
         return found
 
     def check(self, found: Load, tokens: Any, model: Any) -> Optional[Check]:
         """Runs one shadow check of `found` (a Load of `tokens` with converted tokens and its KV)
         against `model` now and records it; returns the Check (None when the adapter is no
-        longer registered)."""
+        longer registered, or when the model's own logits were non-finite at every compared
+        position: nothing to judge the adapter by)."""
         ids = [int(x) for x in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
         result = compare(model, ids, found.kv, self.positions)
+        if result.nonfinite:
+            self._count("nonfinite")
+        if result.positions == 0:
+            self._count("unjudged")
+            return None
         try:
             disabled = self.bridge.record_check(found.adapter, result)
         except _core.NotFoundError:
@@ -313,8 +345,10 @@ class QualityMonitor:
         return ok
 
     def stats(self) -> Dict[str, Any]:
-        """{"eligible", "sampled", "checks", "disables", "unregistered"} counts of this monitor
-        and "adapters": the Bridge's adapter_health() by fingerprint."""
+        """{"eligible", "sampled", "checks", "disables", "unregistered", "check_errors" (checks
+        that raised, load served unchecked), "nonfinite" (checks with non-finite converted
+        logits), "unjudged" (checks with no finite own logits, not recorded)} counts of this
+        monitor and "adapters": the Bridge's adapter_health() by fingerprint."""
         with self._lock:
             out: Dict[str, Any] = dict(self._counts)
         out["adapters"] = {h["adapter"]: h for h in self.bridge.adapter_health()}

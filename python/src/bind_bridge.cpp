@@ -115,6 +115,7 @@ void bind_bridge(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("enable_adapter", &Bridge::enable_adapter, py::arg("adapter"),
            py::call_guard<py::gil_scoped_release>())
+      .def("adapter_dropped", &Bridge::adapter_dropped, py::arg("adapter"))
       .def("adapter_health",
            [](const Bridge& b) {
              py::list out;
@@ -124,6 +125,7 @@ void bind_bridge(py::module_& m) {
       .def(
           "add_adapter",
           [](Bridge& b, std::shared_ptr<LinearAdapter> adapter, bool replace) {
+            py::gil_scoped_release release;  // a replacing add waits for write-backs, purges
             b.add_adapter(std::move(adapter), replace);
           },
           py::arg("adapter"), py::arg("replace") = false)
@@ -146,15 +148,16 @@ void bind_bridge(py::module_& m) {
           "save",
           [](Bridge& b, const ModelSpec& spec, const py::handle& tokens,
              const std::vector<TensorView>& keys, const std::vector<TensorView>& values,
-             const std::string& ns) {
+             const std::string& ns, const std::string& converted_from,
+             const std::string& adapter) {
             const PyTokens ids(tokens);
             const TokenSpan span = ids.span();
             const KVView kv = KVView::from_hf_layers(keys, values);
             py::gil_scoped_release release;
-            return b.save(spec, span, kv, ns);
+            return b.save(spec, span, kv, ns, Provenance{converted_from, adapter});
           },
           py::arg("spec"), py::arg("tokens"), py::arg("keys"), py::arg("values"),
-          py::arg("namespace"))
+          py::arg("namespace"), py::arg("converted_from") = "", py::arg("adapter") = "")
       .def(
           "load",
           [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const std::string& ns) {

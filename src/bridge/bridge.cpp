@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <deque>
 #include <limits>
@@ -11,9 +12,11 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <set>
 
 #include "kvbridge/align.h"
 #include "kvbridge/error.h"
+#include "src/core/dtype_convert.h"
 #include "src/core/prometheus.h"
 
 namespace kvbridge {
@@ -78,8 +81,19 @@ struct Bridge::Impl {
   KVStore& store;
   const BridgeOptions options;
 
-  mutable std::mutex mu;            // guards `registry`
+  mutable std::mutex mu;            // guards `registry`, `dropped` and `writing`
   std::vector<Registered> registry;  // registration order
+  // Fingerprints of the adapters dropped (disabled, removed, replaced) and not taken back.
+  std::set<std::string> dropped;
+  // Writes (write-backs, saves with a provenance) under way per adapter fingerprint, past the
+  // check that it is not dropped; `written` is signalled as each ends.
+  std::map<std::string, int64_t> writing;
+  std::condition_variable written;
+  std::function<void(std::string_view)> hook;  // set_test_hook
+
+  void at(std::string_view point) const {
+    if (hook) hook(point);
+  }
 
   // One atomic per counter row of KVBRIDGE_BRIDGE_STATS, named as the BridgeStats member. The
   // double rows (seconds) count nanoseconds; stats() converts. Gauges are computed in stats().
@@ -99,13 +113,88 @@ struct Bridge::Impl {
       if (r.adapter->fingerprint() == adapter_fp) return &r;
     return nullptr;
   }
-  // Sets `r`'s state; returns the adapter to purge (disabling) outside the lock, or nullptr.
+  // Sets `r`'s state; returns the adapter to purge (disabling, after drop()) outside the lock,
+  // or nullptr.
   std::shared_ptr<const LinearAdapter> set_enabled(Registered& r, bool enabled) {
     Health& h = *r.health;
     const bool was = h.enabled;
     h.enabled = enabled;
-    if (enabled) h.window.clear();
+    if (enabled) {
+      h.window.clear();
+      dropped.erase(r.adapter->fingerprint());
+    }
     return was && !enabled ? r.adapter : nullptr;
+  }
+  // Marks the adapter dropped and waits until its writes under way have ended; `lock` holds
+  // `mu` (released while waiting). The caller purges afterwards.
+  void drop(std::unique_lock<std::mutex>& lock, const std::string& adapter_fp) {
+    dropped.insert(adapter_fp);
+    at("dropped");
+    written.wait(lock, [&] { return writing.find(adapter_fp) == writing.end(); });
+  }
+
+  // A write of KV converted by an adapter, or derived from such KV: starts only while the adapter
+  // is not dropped, and a drop waits for it to end. An empty fingerprint always starts.
+  class Write {
+   public:
+    Write(Impl& m, std::string adapter_fp) : m_(m), fp_(std::move(adapter_fp)) {
+      if (fp_.empty()) {
+        ok_ = true;
+        return;
+      }
+      std::lock_guard<std::mutex> lock(m_.mu);
+      if (m_.dropped.count(fp_)) return;
+      ++m_.writing[fp_];
+      ok_ = counted_ = true;
+    }
+    ~Write() {
+      if (!counted_) return;
+      {
+        std::lock_guard<std::mutex> lock(m_.mu);
+        auto it = m_.writing.find(fp_);
+        if (--it->second == 0) m_.writing.erase(it);
+      }
+      m_.written.notify_all();
+    }
+    Write(const Write&) = delete;
+    Write& operator=(const Write&) = delete;
+    explicit operator bool() const noexcept { return ok_; }
+
+   private:
+    Impl& m_;
+    std::string fp_;
+    bool ok_ = false, counted_ = false;
+  };
+
+  // How much of a match may be served: the tokens before its first chunk whose provenance names
+  // a dropped adapter, and the provenance of the first converted chunk among them.
+  struct Usable {
+    int64_t tokens = 0;
+    Provenance origin;
+  };
+  Usable usable_prefix(const Match& match) {
+    Usable out;
+    out.tokens = match.tokens();
+    const int64_t chunks = match.chunks();
+    if (chunks == 0) return out;
+    const int64_t chunk_tokens = match.tokens() / chunks;
+    std::vector<Provenance> provenance;
+    for (int64_t c = 0; c < chunks; ++c) provenance.push_back(match.provenance(c));
+    if (std::none_of(provenance.begin(), provenance.end(),
+                     [](const Provenance& p) { return p.converted(); }))
+      return out;  // the common case: the model's own KV, no lock taken
+    std::lock_guard<std::mutex> lock(mu);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Provenance& p = provenance[static_cast<size_t>(c)];
+      if (!p.converted()) continue;
+      if (dropped.count(p.adapter_fingerprint)) {
+        out.tokens = c * chunk_tokens;
+        dropped_tokens.fetch_add(match.tokens() - out.tokens, std::memory_order_relaxed);
+        return out;
+      }
+      if (!out.origin.converted()) out.origin = p;
+    }
+    return out;
   }
 };
 
@@ -178,12 +267,13 @@ void Bridge::add_adapter(std::shared_ptr<const LinearAdapter> adapter, bool repl
   entry.adapter = adapter;
   std::shared_ptr<const LinearAdapter> replaced;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::unique_lock<std::mutex> lock(impl_->mu);
     auto& reg = impl_->registry;
     auto it = std::find_if(reg.begin(), reg.end(), [&](const Registered& r) {
       return r.source_fp == entry.source_fp && r.target_fp == entry.target_fp;
     });
     if (it == reg.end()) {
+      impl_->dropped.erase(adapter->fingerprint());
       reg.push_back(std::move(entry));
       return;
     }
@@ -191,16 +281,19 @@ void Bridge::add_adapter(std::shared_ptr<const LinearAdapter> adapter, bool repl
                                                   << " is already registered (pass replace)");
     replaced = std::move(it->adapter);
     *it = std::move(entry);
+    impl_->dropped.erase(adapter->fingerprint());
+    if (replaced->fingerprint() == adapter->fingerprint()) return;
+    impl_->drop(lock, replaced->fingerprint());
   }
   // Outside the lock (it scans every tier); loads meanwhile already use the new adapter.
-  if (replaced->fingerprint() != adapter->fingerprint()) invalidate_adapter(*replaced);
+  invalidate_adapter(*replaced);
 }
 
 bool Bridge::remove_adapter(const ModelSpec& source, const ModelSpec& target) {
   const std::string source_fp = source.fingerprint(), target_fp = target.fingerprint();
   std::shared_ptr<const LinearAdapter> gone;  // purged and released after the lock is dropped
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::unique_lock<std::mutex> lock(impl_->mu);
     auto& reg = impl_->registry;
     auto it = std::find_if(reg.begin(), reg.end(), [&](const Registered& r) {
       return r.source_fp == source_fp && r.target_fp == target_fp;
@@ -208,6 +301,7 @@ bool Bridge::remove_adapter(const ModelSpec& source, const ModelSpec& target) {
     if (it == reg.end()) return false;
     gone = std::move(it->adapter);
     reg.erase(it);
+    impl_->drop(lock, gone->fingerprint());
   }
   invalidate_adapter(*gone);
   return true;
@@ -226,9 +320,33 @@ std::vector<std::shared_ptr<const LinearAdapter>> Bridge::adapters() const {
 }
 
 int64_t Bridge::save(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
-                     std::string_view ns) {
-  impl_->saves.fetch_add(1, std::memory_order_relaxed);
-  return impl_->store.put(spec, tokens, kv, ns);
+                     std::string_view ns, const Provenance& provenance) {
+  Impl& m = *impl_;
+  m.saves.fetch_add(1, std::memory_order_relaxed);
+  kv.check_matches(spec, "kv");
+  if (kv.device().type == DeviceType::kCPU) {  // put refuses other devices itself
+    const auto bad = detail::find_nonfinite(kv);
+    if (bad) m.nonfinite_refused.fetch_add(1, std::memory_order_relaxed);
+    KVB_CHECK(!bad, "save: " << spec.name << "'s KV holds a NaN or an infinity (layer "
+                             << bad->layer << ", " << (bad->kind ? "V" : "K") << ", token "
+                             << bad->token << "); nothing was stored");
+  }
+  Impl::Write write(m, provenance.adapter_fingerprint);
+  if (!write) {
+    m.dropped_writes.fetch_add(1, std::memory_order_relaxed);
+    return 0;
+  }
+  m.at("writing");
+  return m.store.put(spec, tokens, kv, ns, provenance);
+}
+
+bool Bridge::adapter_dropped(const std::string& adapter_fingerprint) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->dropped.count(adapter_fingerprint) > 0;
+}
+
+void Bridge::set_test_hook(std::function<void(std::string_view)> hook) {
+  impl_->hook = std::move(hook);
 }
 
 Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) {
@@ -258,6 +376,7 @@ void check_tokenization(const Tokenization& t, const char* what) {
 struct Candidate {
   const Registered* registered = nullptr;
   Match match;
+  int64_t cached = 0;  // of match's tokens, those that may be served (Impl::usable_prefix)
   int64_t length = 0;
   std::vector<int64_t> alignment;  // empty: same tokenizer, token j from source token j
 };
@@ -286,18 +405,18 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
     m.unverified_tokens.fetch_add(static_cast<int64_t>(tokens.size) - verified,
                                   std::memory_order_relaxed);
   }
-  Load out;
   const int64_t n = static_cast<int64_t>(tokens.size);
   const int64_t limit = n - 1;  // the target computes at least the last token itself
   if (limit <= 0) {
     m.misses.fetch_add(1, std::memory_order_relaxed);
-    return out;
+    return Load();
   }
 
   auto start = Clock::now();
   Match native = m.store.match(spec, tokens, ns);
   m.lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
-  const int64_t native_len = native.tokens();
+  const Impl::Usable native_use = m.usable_prefix(native);
+  const int64_t native_len = native_use.tokens;
 
   // Candidates: adapters to exactly this spec, copied out so the lock is not held while working.
   // Same-tokenizer adapters always; adapters across tokenizers only with a target tokenization.
@@ -345,7 +464,8 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
       start = Clock::now();
       c.match = m.store.match(source, tokens, ns);
       m.lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
-      c.length = std::min(converted_end(c.match.tokens()), limit);
+      c.cached = m.usable_prefix(c.match).tokens;
+      c.length = std::min(converted_end(c.cached), limit);
     } else {
       auto it = texts.find(source.tokenizer);
       if (it == texts.end()) {  // the caller tokenizes the text once per source tokenizer
@@ -362,7 +482,7 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
       start = Clock::now();
       c.match = m.store.match(source, TokenSpan(text->ids.data(), text->ids.size()), ns);
       m.lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
-      const int64_t cached = c.match.tokens();
+      const int64_t cached = c.cached = m.usable_prefix(c.match).tokens;
       if (cached == 0) continue;
       c.alignment = align(text->spans, target->spans,
                           parse_align_policy(r.adapter->report().alignment_policy), text->roles,
@@ -389,31 +509,39 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
     best = std::move(c);
   }
 
-  if (!best.registered) {
+  // A load served from the target's own entries only: `kv` holds at least their first
+  // min(native_len, limit) tokens (the pinned match, or a buffer they were copied into).
+  auto serve_native = [&](Match kv_match, std::shared_ptr<void> kv_buffer, const KVView& kv_view) {
+    Load o;
     if (native_len == 0) {
       m.misses.fetch_add(1, std::memory_order_relaxed);
-      return out;
+      return o;
     }
-    out.tokens_ = std::min(native_len, limit);
-    out.native_tokens_ = out.tokens_;
-    out.source_ = spec.name;
-    out.quality_ = std::numeric_limits<double>::quiet_NaN();
+    o.tokens_ = std::min(native_len, limit);
+    o.native_tokens_ = o.tokens_;
+    o.source_ = spec.name;
+    o.quality_ = std::numeric_limits<double>::quiet_NaN();
     // Entries an earlier conversion wrote back are native hits now; say where they came from.
-    const Provenance origin = native.converted_provenance();
-    out.converted_from_ = origin.source_fingerprint;
-    out.adapter_ = origin.adapter_fingerprint;
-    out.native_ = std::move(native);
+    o.converted_from_ = native_use.origin.source_fingerprint;
+    o.adapter_ = native_use.origin.adapter_fingerprint;
+    if (kv_buffer) {
+      o.buffer_view_ = kv_view.slice_tokens(0, o.tokens_);
+      o.buffer_ = std::move(kv_buffer);
+    } else {
+      o.native_ = std::move(kv_match);
+    }
     m.native_hits.fetch_add(1, std::memory_order_relaxed);
-    m.native_tokens.fetch_add(out.tokens_, std::memory_order_relaxed);
-    return out;
-  }
+    m.native_tokens.fetch_add(o.tokens_, std::memory_order_relaxed);
+    return o;
+  };
+  if (!best.registered) return serve_native(std::move(native), nullptr, KVView());
 
   // Native [0, native_len) as stored, [native_len, total) converted: from source tokens at the
   // same positions, or across tokenizers from the source tokens the alignment names (only the
   // source range [lo, hi) they span is copied out of the store).
   const LinearAdapter& adapter = *best.registered->adapter;
   const bool aligned = !best.alignment.empty();
-  const int64_t total = aligned ? best.length : converted_end(best.match.tokens());
+  const int64_t total = aligned ? best.length : converted_end(best.cached);
   const int64_t missing = total - native_len;
   int64_t lo = native_len, hi = total;
   std::vector<int64_t> rows;
@@ -434,27 +562,49 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
   // Unpin before converting: the store may need the room for the write-back.
   native = Match();
   best.match = Match();
+  // Never convert from a NaN or an infinity (an entry put into the store directly).
+  if (detail::find_nonfinite(source_view)) {
+    m.nonfinite_refused.fetch_add(1, std::memory_order_relaxed);
+    return serve_native(Match(), std::move(buffer), full);
+  }
 
   start = Clock::now();
+  const KVView out_view = full.slice_tokens(native_len, missing);
   if (aligned) {
-    adapter.convert(source_view, lo, full.slice_tokens(native_len, missing), rows, native_len);
+    adapter.convert(source_view, lo, out_view, rows, native_len);
   } else {
-    adapter.convert(source_view, native_len, full.slice_tokens(native_len, missing));
+    adapter.convert(source_view, native_len, out_view);
   }
   m.convert_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   source_kv.reset();
   m.conversions.fetch_add(1, std::memory_order_relaxed);
   m.converted_tokens.fetch_add(missing, std::memory_order_relaxed);
   if (aligned) m.aligned_hits.fetch_add(1, std::memory_order_relaxed);
+  // Finite input overflowing the float32 arithmetic is the only way here (the casts saturate).
+  if (detail::find_nonfinite(out_view)) {
+    m.nonfinite_refused.fetch_add(1, std::memory_order_relaxed);
+    return serve_native(Match(), std::move(buffer), full);
+  }
+  m.at("converted");
 
+  // Written back and served only while the adapter is not dropped; a drop waits for this write.
   const Provenance provenance{adapter.source().fingerprint(), adapter.fingerprint()};
-  if (m.options.write_back) {
-    const int64_t cached =
-        m.store.put(spec, tokens.first(static_cast<size_t>(total)), full, ns, provenance);
-    m.written_back_tokens.fetch_add(std::max<int64_t>(cached - native_len, 0),
-                                    std::memory_order_relaxed);
+  {
+    Impl::Write write(m, provenance.adapter_fingerprint);
+    if (!write) {
+      m.dropped_writes.fetch_add(1, std::memory_order_relaxed);
+      return serve_native(Match(), std::move(buffer), full);
+    }
+    m.at("writing");
+    if (m.options.write_back) {
+      const int64_t cached =
+          m.store.put(spec, tokens.first(static_cast<size_t>(total)), full, ns, provenance);
+      m.written_back_tokens.fetch_add(std::max<int64_t>(cached - native_len, 0),
+                                      std::memory_order_relaxed);
+    }
   }
 
+  Load out;
   out.tokens_ = std::min(total, limit);
   out.native_tokens_ = native_len;
   out.converted_ = true;
@@ -484,7 +634,7 @@ bool Bridge::record_check(const std::string& adapter_fingerprint, const QualityC
   Impl& m = *impl_;
   std::shared_ptr<const LinearAdapter> purge;
   {
-    std::lock_guard<std::mutex> lock(m.mu);
+    std::unique_lock<std::mutex> lock(m.mu);
     Registered* r = m.find(adapter_fingerprint);
     KVB_CHECK_AS(NotFound, r != nullptr,
                  "record_check: no registered adapter has fingerprint " << adapter_fingerprint);
@@ -500,6 +650,7 @@ bool Bridge::record_check(const std::string& adapter_fingerprint, const QualityC
     purge = m.set_enabled(*r, false);
     ++h.disables;
     m.quality_disables.fetch_add(1, std::memory_order_relaxed);
+    m.drop(lock, adapter_fingerprint);  // `r` may be stale once this waited
   }
   invalidate_adapter(*purge);  // outside the lock: it scans every tier
   return true;
@@ -508,10 +659,11 @@ bool Bridge::record_check(const std::string& adapter_fingerprint, const QualityC
 bool Bridge::disable_adapter(const std::string& adapter_fingerprint) {
   std::shared_ptr<const LinearAdapter> purge;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::unique_lock<std::mutex> lock(impl_->mu);
     Registered* r = impl_->find(adapter_fingerprint);
     if (r == nullptr) return false;
     purge = impl_->set_enabled(*r, false);
+    if (purge) impl_->drop(lock, adapter_fingerprint);
   }
   if (purge) invalidate_adapter(*purge);
   return true;

@@ -43,6 +43,16 @@ uint16_t float_to_fp16(float value) noexcept {
   return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
 }
 
+uint16_t float_to_fp16_saturate(float value) noexcept {
+  uint32_t u;
+  std::memcpy(&u, &value, 4);
+  const uint32_t abs = u & 0x7fffffffu;
+  // Finite, but rounds to >= 65520 (float16's infinity): the largest finite half of that sign.
+  if (abs >= 0x477ff000u && abs < 0x7f800000u)
+    return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7bffu);
+  return float_to_fp16(value);
+}
+
 namespace {
 
 // es, the element size, is a template argument so that the contiguous loops vectorize.
@@ -115,15 +125,58 @@ void store_plane(const float* in, int64_t ld, DType dtype, int64_t tokens, int64
                      [](char* d, float v) { std::memcpy(d, &v, 4); });
     case DType::kBFloat16:
       return scatter<2>(in, ld, tokens, heads, dim, p, [](char* d, float v) {
-        const uint16_t b = float_to_bf16(v);
+        const uint16_t b = float_to_bf16_saturate(v);
         std::memcpy(d, &b, 2);
       });
     case DType::kFloat16:
       return scatter<2>(in, ld, tokens, heads, dim, p, [](char* d, float v) {
-        const uint16_t b = float_to_fp16(v);
+        const uint16_t b = float_to_fp16_saturate(v);
         std::memcpy(d, &b, 2);
       });
   }
+}
+
+namespace {
+
+// True when the plane [tokens, heads, dim] holds a NaN or an infinity at token t: the exponent
+// bits all set (the test is on bits, so it holds under -ffast-math too).
+template <typename Bits, Bits kExponent>
+bool token_nonfinite(const KVPlane& p, int64_t t, int64_t heads, int64_t dim) {
+  const char* base = static_cast<const char*>(p.data);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < dim; ++d) {
+      Bits b;
+      std::memcpy(&b, base + (t * p.token_stride + h * p.head_stride + d * p.dim_stride) *
+                                 static_cast<int64_t>(sizeof(Bits)),
+                  sizeof(Bits));
+      if ((b & kExponent) == kExponent) return true;
+    }
+  return false;
+}
+
+}  // namespace
+
+std::optional<NonFinite> find_nonfinite(const KVView& kv) {
+  for (int64_t l = 0; l < kv.num_layers(); ++l)
+    for (int kind = 0; kind < 2; ++kind) {
+      const KVPlane& p = kv.plane(l, static_cast<KVView::Kind>(kind));
+      for (int64_t t = 0; t < kv.tokens(); ++t) {
+        bool bad = false;
+        switch (kv.dtype()) {
+          case DType::kFloat32:
+            bad = token_nonfinite<uint32_t, 0x7f800000u>(p, t, kv.kv_heads(), kv.head_dim());
+            break;
+          case DType::kBFloat16:
+            bad = token_nonfinite<uint16_t, 0x7f80u>(p, t, kv.kv_heads(), kv.head_dim());
+            break;
+          case DType::kFloat16:
+            bad = token_nonfinite<uint16_t, 0x7c00u>(p, t, kv.kv_heads(), kv.head_dim());
+            break;
+        }
+        if (bad) return NonFinite{l, kind, t};
+      }
+    }
+  return std::nullopt;
 }
 
 }  // namespace kvbridge::detail

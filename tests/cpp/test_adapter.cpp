@@ -39,6 +39,82 @@ ModelSpec make_spec(const char* name, int64_t layers, int64_t heads, int64_t dim
   return s;
 }
 
+// The casts store_plane (every convert's output) uses: finite in, finite out.
+TEST(Numeric, SaturatingCastsKeepFiniteValuesFinite) {
+  EXPECT_EQ(detail::float_to_fp16_saturate(70000.f), 0x7bffu);  // +65504
+  EXPECT_EQ(detail::float_to_fp16_saturate(-1e30f), 0xfbffu);   // -65504
+  EXPECT_EQ(detail::float_to_fp16_saturate(65519.f), 0x7bffu);  // would round to infinity
+  EXPECT_EQ(detail::float_to_fp16_saturate(INFINITY), 0x7c00u);  // infinities stay
+  EXPECT_TRUE(std::isnan(detail::fp16_to_float(detail::float_to_fp16_saturate(NAN))));
+  const float big = std::numeric_limits<float>::max();  // rounds up to infinity in bfloat16
+  EXPECT_TRUE(std::isinf(detail::bf16_to_float(detail::float_to_bf16(big))));
+  EXPECT_EQ(detail::float_to_bf16_saturate(big), 0x7f7fu);
+  EXPECT_EQ(detail::float_to_bf16_saturate(-big), 0xff7fu);
+  EXPECT_EQ(detail::float_to_bf16_saturate(-INFINITY), 0xff80u);
+  EXPECT_TRUE(std::isnan(detail::bf16_to_float(detail::float_to_bf16_saturate(NAN))));
+  // Below the limits the saturating casts are the plain ones.
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.f, 2000.f);
+  for (int i = 0; i < 20000; ++i) {
+    const float x = dist(rng);
+    ASSERT_EQ(detail::float_to_fp16_saturate(x), detail::float_to_fp16(x)) << x;
+    ASSERT_EQ(detail::float_to_bf16_saturate(x * 1e30f), detail::float_to_bf16(x * 1e30f)) << x;
+  }
+  // store_plane saturates: a float16 plane of out-of-range float32 values is finite.
+  const std::vector<float> in = {1e5f, -7e4f, 3.f, -65504.f};
+  std::vector<uint16_t> out(4);
+  detail::store_plane(in.data(), 4, DType::kFloat16, 1, 1, 4, KVPlane{out.data(), 4, 4, 1});
+  EXPECT_EQ(out, (std::vector<uint16_t>{0x7bff, 0xfbff, detail::float_to_fp16(3.f), 0xfbff}));
+}
+
+// find_nonfinite reports the first NaN or infinity of a strided view in each dtype.
+TEST(Numeric, FindNonFinite) {
+  const int64_t L = 3, T = 7, H = 2, D = 5, pad = 3;  // rows of D + pad elements: strided
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const int64_t es = dtype == DType::kFloat32 ? 4 : 2;
+    std::mt19937 rng(17);
+    std::normal_distribution<float> dist(0.f, 1.f);
+    std::vector<float> values(static_cast<size_t>(L * 2 * T * H * (D + pad)));
+    for (float& v : values) v = dist(rng);
+    auto make = [&](const std::vector<float>& from, std::vector<unsigned char>& bytes) {
+      bytes.assign(from.size() * static_cast<size_t>(es), 0);
+      for (size_t i = 0; i < from.size(); ++i) {
+        if (es == 4) {
+          std::memcpy(&bytes[4 * i], &from[i], 4);
+        } else {
+          const uint16_t b = dtype == DType::kBFloat16 ? detail::float_to_bf16(from[i])
+                                                       : detail::float_to_fp16(from[i]);
+          std::memcpy(&bytes[2 * i], &b, 2);
+        }
+      }
+      std::vector<KVPlane> planes;
+      for (int64_t p = 0; p < 2 * L; ++p)
+        planes.push_back(KVPlane{bytes.data() + p * T * H * (D + pad) * es, H * (D + pad),
+                                 D + pad, 1});
+      return KVView::from_planes(planes, dtype, Device{}, T, H, D);
+    };
+    std::vector<unsigned char> bytes;
+    EXPECT_FALSE(detail::find_nonfinite(make(values, bytes)).has_value());
+    for (const float bad : {NAN, INFINITY, -INFINITY}) {
+      std::vector<float> copy = values;
+      auto at = [&](int64_t l, int kind, int64_t t, int64_t h, int64_t d) -> float& {
+        return copy[static_cast<size_t>((((2 * l + kind) * T + t) * H + h) * (D + pad) + d)];
+      };
+      at(2, KVView::kValue, 6, 0, 0) = bad;
+      at(2, KVView::kValue, 4, 1, 3) = bad;
+      at(1, KVView::kKey, 5, 0, D) = bad;  // in the padding: not part of the view
+      const KVView view = make(copy, bytes);
+      const auto found = detail::find_nonfinite(view);
+      ASSERT_TRUE(found.has_value());
+      EXPECT_EQ(found->layer, 2);
+      EXPECT_EQ(found->kind, KVView::kValue);
+      EXPECT_EQ(found->token, 4);
+      EXPECT_FALSE(detail::find_nonfinite(view.slice_tokens(0, 4)).has_value());
+    }
+  }
+}
+
 TEST(Numeric, HalfAndBFloatRoundTrip) {
   std::mt19937 rng(3);
   std::normal_distribution<float> dist(0.f, 3.f);

@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <condition_variable>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <thread>
 
 #include "src/adapter/numeric.h"
@@ -829,6 +832,182 @@ TEST_F(BridgeTest, CheckValidation) {
   open.add_adapter(*good_);
   for (int i = 0; i < 40; ++i) EXPECT_FALSE(open.record_check(fp, check_of(8, 0)));
   EXPECT_TRUE(open.adapter_health()[0].enabled);
+}
+
+// A one-shot gate between threads: wait() blocks until open().
+class Gate {
+ public:
+  void open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// Every way to drop an adapter: after it returns, a conversion that ran before it is neither
+// written back nor served, and nothing of the adapter is left in the store.
+TEST_F(BridgeTest, DropBetweenConvertAndWriteBackStoresNothing) {
+  const std::vector<std::pair<const char*, std::function<void(Bridge&)>>> drops = {
+      {"disable", [](Bridge& b) { EXPECT_TRUE(b.disable_adapter((*good_)->fingerprint())); }},
+      {"remove", [](Bridge& b) { EXPECT_TRUE(b.remove_adapter(*src_, *tgt_)); }},
+      {"replace", [](Bridge& b) { b.add_adapter(fit_planted(*src_, *tgt_, 9), true); }},
+      {"record_check", [](Bridge& b) {
+         QualityCheck c;
+         c.positions = 8;  // 0 of 8 agree: below the floor at the first check (min_checks 1)
+         EXPECT_TRUE(b.record_check((*good_)->fingerprint(), c));
+       }}};
+  for (const auto& [name, drop] : drops) {
+    SCOPED_TRACE(name);
+    KVStore store(store_options());
+    BridgeOptions options;
+    options.min_checks = 1;
+    Bridge bridge(store, options);
+    bridge.add_adapter(*good_);
+    const auto tokens = testing::random_tokens(53, 71);
+    FloatKV src(*src_, 53);
+    src.randomize(72);
+    // The target's own first chunk: the load converts [16, 48) and still serves [0, 16).
+    FloatKV own(*tgt_, 16);
+    own.randomize(73);
+    bridge.save(*src_, tokens, src.view());
+    bridge.save(*tgt_, TokenSpan(tokens.data(), 16), own.view());
+    int converted = 0;
+    bridge.set_test_hook([&](std::string_view point) {
+      if (point == "converted" && converted++ == 0) drop(bridge);
+    });
+    const Load load = bridge.load(*tgt_, tokens);
+    bridge.set_test_hook({});
+    EXPECT_EQ(converted, 1);
+    EXPECT_FALSE(load.converted());
+    EXPECT_EQ(load.tokens(), 16);
+    EXPECT_EQ(load.native_tokens(), 16);
+    EXPECT_EQ(load.adapter(), "");
+    EXPECT_EQ(load_kv(load, *tgt_), dense(own.view()));
+    EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 16);  // only the target's own chunk
+    EXPECT_TRUE(bridge.adapter_dropped((*good_)->fingerprint()));
+    const BridgeStats s = bridge.stats();
+    EXPECT_EQ(s.dropped_writes, 1);
+    EXPECT_EQ(s.written_back_tokens, 0);
+    EXPECT_EQ(s.native_hits, 1);
+    EXPECT_EQ(s.converted_hits, 0);
+  }
+}
+
+// A drop that starts while a write-back of its adapter is under way waits for it, then purges.
+TEST_F(BridgeTest, DropWaitsForAWriteBackUnderWay) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const std::string fp = (*good_)->fingerprint();
+  const auto tokens = testing::random_tokens(40, 81);
+  FloatKV src(*src_, 40);
+  src.randomize(82);
+  bridge.save(*src_, tokens, src.view());
+  Gate writing, dropped, go;
+  bridge.set_test_hook([&](std::string_view point) {
+    if (point == "writing") {  // the loading thread, inside the write-back's check
+      writing.open();
+      go.wait();
+    } else if (point == "dropped") {  // the dropping thread, before it waits and purges
+      dropped.open();
+    }
+  });
+  Load load;
+  std::thread loader([&] { load = bridge.load(*tgt_, tokens); });
+  writing.wait();
+  std::thread dropper([&] { EXPECT_TRUE(bridge.disable_adapter(fp)); });
+  dropped.wait();
+  go.open();  // the write-back runs now, after the adapter was marked dropped
+  loader.join();
+  dropper.join();
+  bridge.set_test_hook({});
+  EXPECT_TRUE(load.converted());  // it passed the check before the drop
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 0);  // and the drop purged what it wrote
+  EXPECT_FALSE(bridge.load(*tgt_, tokens));
+}
+
+// Entries naming a dropped adapter (another process wrote them back after the purge, or a Redis
+// purge failed) are not served; a save naming it stores nothing; taking the adapter back
+// serves them again.
+TEST_F(BridgeTest, EntriesOfADroppedAdapterAreNotServed) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const std::string fp = (*good_)->fingerprint();
+  const Provenance origin{src_->fingerprint(), fp};
+  const auto tokens = testing::random_tokens(53, 91);
+  FloatKV kv(*tgt_, 53);
+  kv.randomize(92);
+  ASSERT_TRUE(bridge.disable_adapter(fp));
+  EXPECT_EQ(bridge.save(*tgt_, tokens, kv.view(), "default", origin), 0);
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 0);
+  EXPECT_EQ(bridge.stats().dropped_writes, 1);
+  // Written behind the bridge's back: the first chunk the target's own, the rest converted.
+  store.put(*tgt_, TokenSpan(tokens.data(), 16), kv.view().slice_tokens(0, 16));
+  store.put(*tgt_, tokens, kv.view(), "default", origin);
+  ASSERT_EQ(store.match(*tgt_, tokens).tokens(), 48);
+  const Load load = bridge.load(*tgt_, tokens);
+  EXPECT_EQ(load.tokens(), 16);
+  EXPECT_EQ(load.adapter(), "");
+  EXPECT_EQ(bridge.stats().dropped_tokens, 32);
+  // Re-enabled: served, with its provenance.
+  ASSERT_TRUE(bridge.enable_adapter(fp));
+  EXPECT_FALSE(bridge.adapter_dropped(fp));
+  const Load again = bridge.load(*tgt_, tokens);
+  EXPECT_EQ(again.tokens(), 48);
+  EXPECT_EQ(again.adapter(), fp);
+  EXPECT_EQ(bridge.save(*tgt_, tokens, kv.view(), "default", origin), 48);
+  // Removed, and re-registered: the same.
+  ASSERT_TRUE(bridge.remove_adapter(*src_, *tgt_));
+  EXPECT_TRUE(bridge.adapter_dropped(fp));
+  EXPECT_EQ(bridge.load(*tgt_, tokens).tokens(), 16);  // the converted chunks were purged
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 16);
+  bridge.add_adapter(*good_);
+  EXPECT_FALSE(bridge.adapter_dropped(fp));
+}
+
+// save refuses non-finite KV; a conversion from a non-finite source entry (put into the store
+// directly) is dropped, and the load falls back to the target's own prefix.
+TEST_F(BridgeTest, NonFiniteKVIsNeverStoredOrConverted) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(53, 101);
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    FloatKV src(*src_, 53, 2);
+    src.randomize(102);
+    src.at(1, 1, 37, 1, 5) = bad;
+    EXPECT_THROW(bridge.save(*src_, tokens, src.view()), InvalidArgument);
+    EXPECT_EQ(store.match(*src_, tokens).tokens(), 0);
+  }
+  EXPECT_EQ(bridge.stats().nonfinite_refused, 2);
+  FloatKV src(*src_, 53);
+  src.randomize(103);
+  src.at(2, 0, 40, 0, 1) = std::nanf("");  // in the third chunk
+  store.put(*src_, tokens, src.view());
+  FloatKV own(*tgt_, 16);
+  own.randomize(104);
+  bridge.save(*tgt_, TokenSpan(tokens.data(), 16), own.view());
+  const Load load = bridge.load(*tgt_, tokens);
+  EXPECT_FALSE(load.converted());
+  EXPECT_EQ(load.tokens(), 16);
+  EXPECT_EQ(load_kv(load, *tgt_), dense(own.view()));
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 16);  // nothing written back
+  EXPECT_EQ(bridge.stats().nonfinite_refused, 3);
+  // The finite part of the source still converts: a prompt that ends before the NaN's chunk.
+  const std::vector<int64_t> head(tokens.begin(), tokens.begin() + 33);
+  EXPECT_TRUE(bridge.load(*tgt_, head).converted());
 }
 
 }  // namespace

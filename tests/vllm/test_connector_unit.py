@@ -178,8 +178,9 @@ def test_prometheus_counters_follow_the_stats():
 
 def test_background_saves_keep_provenance_and_respect_a_disable():
     """The save thread stores KV derived from a conversion with its provenance (so the
-    adapter's purge removes it), and purges again a save whose adapter was disabled while it
-    was queued; the connector's Bridge itself never writes back."""
+    adapter's purge removes it), and stores nothing for a save whose adapter was disabled while
+    it was queued (Bridge.save refuses a dropped adapter); the connector's Bridge itself never
+    writes back."""
     shipped = kvbridge.LinearAdapter.load(ADAPTER)
     spec = shipped.target
     shared = connector._Shared(options.parse_options({"adapters": [str(ADAPTER)]}, 32), spec)
@@ -203,7 +204,7 @@ def test_background_saves_keep_provenance_and_respect_a_disable():
     assert shared.bridge.disable_adapter(shipped)
     assert shared.store.match(spec, derived, "t").tokens == 0
     assert shared.store.match(spec, own, "t").tokens == 64
-    # a save queued for the disabled adapter lands and is purged again at once
+    # a save queued for the disabled adapter stores nothing
     late = list(range(500, 564))
     shared.submit_save(late, prompt_kv(64), "t", origin)
     shared.flush()

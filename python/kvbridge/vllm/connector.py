@@ -16,7 +16,12 @@ copy to a background thread that writes it to the store. A prompt whose load hel
 not the model's own prefill (converted, or written back from a conversion) is saved with that
 load's provenance (source and adapter fingerprints), since everything computed over it derives
 from the adapter: ``invalidate_adapter`` and a disabled adapter purge it; with
-``write_back: false`` such a prompt is not saved at all.
+``write_back: false`` such a prompt is not saved at all. Saves go through ``Bridge.save``, so
+they follow the Bridge's rules: a save naming an adapter the Bridge has dropped (disabled,
+removed, replaced) stores nothing, a drop waits for a save of its adapter under way and then
+purges it, and KV holding a NaN or an infinity is refused (counted in ``save_errors``). Loads
+follow them too: entries naming a dropped adapter are not served, and a conversion that gives a
+non-finite value is not used (the blocks are recomputed).
 
 Within one process, the scheduler-side and worker-side instances share one store and Bridge
 (a registry keyed by the store options, adapters and Bridge options).
@@ -86,7 +91,7 @@ COUNTERS = (
     "tokens_saved",        # tokens the store took
     "save_errors",         # saves that raised (the request is unaffected)
     "saves_skipped_derived",  # prompts over converted KV not saved (write_back off)
-    "saves_purged",        # saves purged again: their adapter was disabled meanwhile
+    "saves_purged",        # saves not stored: their adapter was dropped (disabled, removed)
     "requests_skipped",    # requests kvbridge cannot key (prompt embeds, multimodal, LoRA)
     "store_unavailable",   # 1 when the configured store could not be opened
     "shadow_loads",        # loads of the converted twins of shadow checks
@@ -187,27 +192,17 @@ class _Shared:
         """Waits until every submitted save has been written."""
         self._saves.join()
 
-    def _enabled(self, adapter: str) -> bool:
-        """False only for an adapter this Bridge has registered and disabled."""
-        for health in self.bridge.adapter_health():
-            if health["adapter"] == adapter:
-                return bool(health["enabled"])
-        return True
-
     def _save_loop(self) -> None:
         while True:
             item = self._saves.get()
             try:
                 tokens, kv, namespace, (converted_from, adapter) = item
                 t0 = time.perf_counter()
-                saved = self.store.put(self.spec, tokens, kv, namespace,
-                                       converted_from=converted_from, adapter=adapter)
-                if adapter and not self._enabled(adapter):
-                    # Disabled while queued or during the put: its purge may have run before
-                    # this put, so purge again (disable marks the adapter before it purges).
-                    self.store.invalidate_adapter(self.spec, adapter)
+                # The Bridge refuses a dropped adapter's KV, and a drop waits for this put.
+                saved = self.bridge.save(self.spec, tokens, kv, namespace,
+                                         converted_from=converted_from, adapter=adapter)
+                if adapter and saved == 0 and self.bridge.adapter_dropped(adapter):
                     self.count("saves_purged")
-                    saved = 0
                 self.count("save_seconds", time.perf_counter() - t0)
                 self.count("tokens_saved", saved)
             except Exception as e:  # a save never affects the request
@@ -568,11 +563,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
             native = best = 0
             origin = ("", "")
             if len(tokens) > 1:
+                bridge = self._shared.bridge
                 found = store.match(self._spec, tokens, ns, return_kv=False)
-                native = best = found.tokens
-                origin = (found.converted_from, found.adapter)
+                # Entries naming a dropped adapter are not served: promise none of a prefix
+                # holding one (the load serves what comes before it, if anything).
+                native = best = 0 if bridge.adapter_dropped(found.adapter) else found.tokens
+                origin = (found.converted_from, found.adapter) if native else ("", "")
                 for adapter in self._shared.usable_adapters():
-                    length = store.match(adapter.source, tokens, ns, return_kv=False).tokens
+                    source = store.match(adapter.source, tokens, ns, return_kv=False)
+                    length = 0 if bridge.adapter_dropped(source.adapter) else source.tokens
                     if length > best:
                         best = length
                         origin = (adapter.source.fingerprint, adapter.fingerprint)

@@ -18,6 +18,12 @@ connector registers, which all share the served model's tokenizer:
   rows it is given (Eigen's row blocking), so converting ``n - 1`` rows would differ from
   ``Bridge.load`` in the last bits of the last rows.
 
+It follows the Bridge's integrity rules: a cached prefix whose provenance names an adapter the
+Bridge has dropped (``bridge.adapter_dropped``) is not used (the model's own prefix: none of it;
+a source prefix: that candidate is skipped), a conversion whose output holds a NaN or an
+infinity is not used (the load falls back to the native prefix), and neither is one whose
+adapter the Bridge dropped while it converted.
+
 It writes nothing back, like the connector's ``Bridge`` (built with ``write_back=False``): the
 connector saves the request's blocks afterwards, in the background, with the provenance this
 load reports (``converted_from``, ``adapter``). The Bridge's own counters (``converted_hits``,
@@ -95,7 +101,9 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
     if limit <= 0:
         return DeviceLoad(0, None, False, 0, "")
     native = store.match(spec, tokens, namespace)
-    native_len = min(native.tokens, limit)
+    # Python's Match names only its first converted chunk's adapter: when that one is dropped,
+    # none of the prefix is used (the Bridge keeps the chunks before it; this is the safe side).
+    native_len = 0 if bridge.adapter_dropped(native.adapter) else min(native.tokens, limit)
     tail = bridge.recompute_tail
 
     def converted_rows(source_len: int) -> int:  # the source prefix the Bridge converts
@@ -107,8 +115,10 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
     best: Optional[Tuple[LinearAdapter, float, int]] = None
     if native_len < limit:
         for adapter, quality in _candidates(bridge, spec):
-            length = converted_end(store.match(adapter.source, tokens, namespace,
-                                               return_kv=False).tokens)
+            probe = store.match(adapter.source, tokens, namespace, return_kv=False)
+            if bridge.adapter_dropped(probe.adapter):
+                continue
+            length = converted_end(probe.tokens)
             if length <= native_len:
                 continue
             if best is not None and (length < best[2] or (length == best[2] and
@@ -120,12 +130,19 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
         adapter = best[0]
         # Read again with the KV: another process may have evicted part of it since the probe.
         found = store.match(adapter.source, tokens, namespace, device=device)
-        converted_len = converted_rows(found.tokens)
+        converted_len = converted_rows(0 if bridge.adapter_dropped(found.adapter)
+                                       else found.tokens)
         end = min(converted_len, limit)
+        converted = None
         if end > native_len:
             source = [(k[:, :, native_len:converted_len], v[:, :, native_len:converted_len])
                       for k, v in found.kv]
             converted = adapter.convert(source, start_pos=native_len, as_cache=False)
+            finite = torch.stack([torch.isfinite(k).all() & torch.isfinite(v).all()
+                                  for k, v in converted]).all()  # one device sync
+            if not bool(finite) or bridge.adapter_dropped(adapter.fingerprint):
+                converted = None  # non-finite, or dropped meanwhile: the native prefix only
+        if converted is not None:
             if converted_len > end:
                 converted = [(k[:, :, :end - native_len], v[:, :, :end - native_len])
                              for k, v in converted]
