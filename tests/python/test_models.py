@@ -67,6 +67,8 @@ def test_a_folder_is_the_same_model_wherever_it_lies(smollm2, tmp_path):
 
 def test_short_names_never_download(monkeypatch):
     with pytest.raises(kvbridge.InvalidArgumentError, match="unknown short name"):
+        models.install_command("no-such-model")
+    with pytest.raises(kvbridge.NotFoundError, match="neither a model folder"):
         models.load("no-such-model")
     fake = models.KnownModel("fake-model", "a model whose package is absent",
                              ("kvbridge-no-such-package==1.0",), "kvbridge_no_such_package",
@@ -93,7 +95,7 @@ def test_gemma_past_its_window_store_round_trip_matches_a_full_prefill(gemma):
     assert hit.tokens == prefix
     sliding = [type(l).__name__ for l in hit.kv.layers]
     assert sliding.count("DynamicSlidingWindowLayer") == 15
-    out = gemma.model(torch.tensor([ids[prefix:]]), past_key_values=hit.kv, use_cache=True).logits[0]
+    out = gemma.model(torch.tensor([ids[prefix:]]), cache=hit.kv, use_cache=True).logits[0]
     assert torch.allclose(out, full[prefix:], atol=2e-3, rtol=0), (out - full[prefix:]).abs().max()
     # The model's own sliding cache past its window has dropped tokens kvbridge needs.
     from transformers import DynamicCache

@@ -113,9 +113,26 @@ def fit(pair: Pair, texts: Sequence[str], config: RealConfig,
     return fitter.fit()
 
 
+def start_kv(model: models.LoadedModel) -> kv_eval.KVCache:
+    """The model's own KV of its start token at position 0: the same in every prompt."""
+    return kv_eval.prefix_kv(model.model, [model.bos_id])
+
+
+def with_own_start(kv: kv_eval.KVCache, start: kv_eval.KVCache) -> kv_eval.KVCache:
+    """`kv` with its first token's KV replaced by the target's own start-token KV."""
+    out = []
+    for (k, v), (sk, sv) in zip(kv, start):
+        k, v = k.clone(), v.clone()
+        k[:, :, :1], v[:, :, :1] = sk, sv
+        out.append((k, v))
+    return tuple(out)
+
+
 def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], share: float,
-          tails: Sequence[int], progress: bool = True) -> Dict[int, Dict[str, Any]]:
-    """Pooled kept / agreement / losses per tail recompute length (module docstring)."""
+          tails: Sequence[int], progress: bool = True,
+          own_start: bool = False) -> Dict[int, Dict[str, Any]]:
+    """Pooled kept / agreement / losses per tail recompute length (module docstring).
+    own_start: the start token's KV is the target's own (start_kv), not converted."""
     src_m, tgt_m = pair.source, pair.target
     sums = {r: kv_eval.Sums() for r in tails}
     windows = prefix_tokens = 0
@@ -133,6 +150,8 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
                                     split.target.roles[:p - 1])
         index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
         conv = adapter.convert(kv_eval.prefix_kv(src_m.model, src.ids), alignment=index)
+        if own_start:
+            conv = with_own_start(conv, start_kv(tgt_m))
         for r in tails:
             keep = max(1, p - 1 - r)  # the start token always comes from the cache
             part = tuple((k[:, :, :keep], v[:, :, :keep]) for k, v in conv)
