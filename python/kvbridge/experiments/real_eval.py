@@ -23,7 +23,9 @@ last r + 1. ``L_own``: the target's own prefill of the cached prompt tokens; ``L
 source's prefill of the same text, converted; ``L_none``: the start token alone before the
 continuation. ``kept = (L_none - L_conv) / (L_none - L_own)``, pooled over all continuation
 tokens; ``agreement``: share of continuation positions whose greedy token with the converted
-cache equals the one with the target's own (teacher forced).
+cache equals the one with the target's own (teacher forced). The converted cache's first token
+(the start token) is the target's own KV of it, as kvbridge.Bridge serves it (Bridge.add_start);
+``--converted-start`` scores the conversion of it too, as an ablation.
 
 TTFT ratio. For prompts of about ``ttft_tokens`` target tokens cut from held-out text: the
 target's own prefill and first token, against aligning both tokenizations, converting the
@@ -70,6 +72,7 @@ class RealConfig:
     tails: List[int] = field(default_factory=lambda: [0, 16, 64])
     ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
     ttft_repeats: int = 3
+    converted_start: bool = False      # ablation: the start token's KV converted too
     seed: int = 0
 
 
@@ -130,11 +133,14 @@ def with_own_start(kv: kv_eval.KVCache, start: kv_eval.KVCache) -> kv_eval.KVCac
 
 def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], share: float,
           tails: Sequence[int], progress: bool = True,
-          own_start: bool = False) -> Dict[int, Dict[str, Any]]:
+          own_start: bool = True) -> Dict[int, Dict[str, Any]]:
     """Pooled kept / agreement / losses per tail recompute length (module docstring).
-    own_start: the start token's KV is the target's own (start_kv), not converted."""
+    own_start: the start token's KV is the target's own (start_kv), as kvbridge.Bridge serves
+    it (Bridge.add_start); False scores the conversion of the start token too (an ablation)."""
     src_m, tgt_m = pair.source, pair.target
+    start = start_kv(tgt_m)
     sums = {r: kv_eval.Sums() for r in tails}
+    computed = {r: 0 for r in tails}  # prompt tokens the target computes itself, per tail
     windows = prefix_tokens = 0
     for text in kv_eval.progress_items(texts, progress, desc="held-out windows"):
         split = eval_cross.split_window(tgt_m.tokenizer, text, share)
@@ -151,9 +157,10 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
         index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
         conv = adapter.convert(kv_eval.prefix_kv(src_m.model, src.ids), alignment=index)
         if own_start:
-            conv = with_own_start(conv, start_kv(tgt_m))
+            conv = with_own_start(conv, start)
         for r in tails:
             keep = max(1, p - 1 - r)  # the start token always comes from the cache
+            computed[r] += p - keep
             part = tuple((k[:, :, :keep], v[:, :, :keep]) for k, v in conv)
             logits_conv, _ = kv_eval.forward(tgt_m.model, ids[keep:-1], part)
             sums[r].add(logits_own, logits_conv[-len(targets):], logits_none, targets)
@@ -162,7 +169,8 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
     if not windows:
         raise kvbridge.InvalidArgumentError("no held-out window could be split (too short for the share)")
     return {r: {**s.metrics(), "tail": r, "windows": windows, "prefix_tokens": prefix_tokens,
-                "recomputed_share": (min(r, prefix_tokens) + windows) / (prefix_tokens + windows)}
+                "prompt_tokens": prefix_tokens + windows,
+                "recomputed_share": computed[r] / (prefix_tokens + windows)}
             for r, s in sums.items()}
 
 
@@ -181,6 +189,7 @@ def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[
                  repeats: int) -> List[Dict[str, Any]]:
     """Own prefill vs converted cache, per prompt (module docstring)."""
     src_m, tgt_m = pair.source, pair.target
+    start = start_kv(tgt_m)  # registered once, as with Bridge.add_start
     rows = []
     for prompt in prompts:
         src_kv = kv_eval.prefix_kv(src_m.model, encode(src_m, prompt).ids)  # as a store holds it
@@ -196,7 +205,7 @@ def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[
             m = len(tgt.ids) - 1
             cached = eval_cross.Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m])
             index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
-            kv = adapter.convert(src_kv, alignment=index)
+            kv = with_own_start(adapter.convert(src_kv, alignment=index), start)
             logits, _ = kv_eval.forward(tgt_m.model, tgt.ids[m:], kv, logits_to_keep=1)
             out["converted"] = int(logits[-1].argmax())
 
@@ -239,7 +248,8 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
         adapter = fit(pair, train, config, progress)
         timings["fit_seconds"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    scores = score(pair, adapter, heldout, config.continuation_share, config.tails, progress)
+    scores = score(pair, adapter, heldout, config.continuation_share, config.tails, progress,
+                   own_start=not config.converted_start)
     timings["score_seconds"] = time.perf_counter() - t1
     long_text = "\n".join(corpus.read_text(p) for p in heldout_files[:8])
     prompts = [prompt_of_tokens(pair.target, long_text, n) for n in config.ttft_tokens]
@@ -314,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tails", type=at_least(0), nargs="+", default=d.tails)
     p.add_argument("--ttft-tokens", type=at_least(2), nargs="+", default=d.ttft_tokens)
     p.add_argument("--ttft-repeats", type=at_least(1), default=d.ttft_repeats)
+    p.add_argument("--converted-start", action="store_true",
+                   help="ablation: score the conversion of the start token too (the Bridge "
+                   "serves the target's own)")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--threads", type=at_least(0), default=0,
                    help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
@@ -331,7 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         train_windows=args.train_windows, heldout_windows=args.heldout_windows,
                         policy=args.policy, source_layers=args.source_layers,
                         tails=list(args.tails), ttft_tokens=list(args.ttft_tokens),
-                        ttft_repeats=args.ttft_repeats, seed=args.seed)
+                        ttft_repeats=args.ttft_repeats, converted_start=args.converted_start,
+                        seed=args.seed)
     kv_eval.set_threads(args.threads)
     files = [pathlib.Path(f) for f in args.text] if args.text else corpus.default_files()
     missing = [str(f) for f in files if not f.is_file()]
