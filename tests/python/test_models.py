@@ -148,3 +148,29 @@ def test_adapter_file_keeps_per_layer_attention(smollm2, gemma, tmp_path):
     back = kvbridge.LinearAdapter.load(str(path))
     assert back.source == gemma.spec and list(back.source.layer_attention) == list(
         gemma.spec.layer_attention)
+
+
+def test_eval_command_on_a_real_pair(tmp_path, capsys):
+    """`kvbridge eval --source S --target T` dispatches real models to the real-pair eval and
+    writes its table, results.json (held-out files disjoint from training ones) and eval.png."""
+    from kvbridge import cli
+
+    out = tmp_path / "out"
+    text = sorted(corpus.stdlib_files())[:24]
+    rc = cli.main(["eval", "--source", "smollm2-135m", "--target", "gemma3-270m", "--text",
+                   *map(str, text), "--window-bytes", "512", "--train-windows", "6",
+                   "--heldout-windows", "2", "--source-layers", "1", "--tails", "0", "8",
+                   "--ttft-tokens", "48", "--ttft-repeats", "1", "--quiet", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "smollm2-135m -> gemma3-270m" in printed and "| tail recomputed |" in printed
+    import json
+
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["tails"]) == {"0", "8"}
+    held = set(results["text"]["heldout_files"])
+    assert held and not held & {p.name for p in text if not corpus.is_heldout(p)}
+    for v in results["tails"].values():
+        assert v["loss_own"] < v["loss_none"] and 0 < v["recomputed_share"] < 1
+    assert results["tails"]["8"]["recomputed_share"] > results["tails"]["0"]["recomputed_share"]
+    assert (out / "eval.png").stat().st_size > 0

@@ -301,6 +301,38 @@ def format_table(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: Dict[str, Any], path: str) -> None:
+    """eval.png: held-out R² per target layer, and kept and agreement against the share of the
+    prompt the target computes itself."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a, tails = results["adapter"], results["tails"]
+    fig, (ax_r2, ax_curve) = plt.subplots(1, 2, figsize=(11, 4))
+    layers = range(len(a["r2_key"]))
+    ax_r2.plot(layers, a["r2_key"], marker="o", label="K")
+    ax_r2.plot(layers, a["r2_value"], marker="s", linestyle="--", label="V")
+    ax_r2.set_xlabel("target layer")
+    ax_r2.set_ylabel("held-out R²")
+    ax_r2.set_title("adapter fit per target layer")
+    ax_r2.legend(fontsize=8)
+    share = [v["recomputed_share"] for v in tails.values()]
+    ax_curve.plot(share, [v["kept"] for v in tails.values()], marker="o", label="kept")
+    ax_curve.plot(share, [v["agreement"] for v in tails.values()], marker="s", label="agreement")
+    for r, v in tails.items():
+        ax_curve.annotate(f"tail {r}", (v["recomputed_share"], v["kept"]), fontsize=7)
+    ax_curve.axhline(1.0, color="gray", linewidth=0.8)
+    ax_curve.set_xlabel("share of the prompt the target computes")
+    ax_curve.set_title(f"{results['models']['source']['name']} -> "
+                       f"{results['models']['target']['name']}, held-out")
+    ax_curve.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     at_least = kv_eval.int_at_least
     d = RealConfig()
@@ -310,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", nargs="+", default=None, metavar="FILE",
                    help="text files (default: the Python standard library's source and "
                    "Debian's license texts; see kvbridge.experiments.corpus)")
-    p.add_argument("--out", default="eval-out", help="directory for results.json")
+    p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
     p.add_argument("--save-adapter", metavar="PATH", help="save the fitted adapter here")
     p.add_argument("--adapter", metavar="PATH", help="score this adapter instead of fitting one")
     p.add_argument("--window-bytes", type=at_least(64), default=d.window_bytes)
@@ -363,8 +395,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1, default=kv_eval._finite_or_null)
+    picture = os.path.join(args.out, "eval.png")
+    plot(results, picture)
     print(format_table(results))
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path} and {picture}")
     return results
 
 
