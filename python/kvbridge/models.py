@@ -208,13 +208,31 @@ def _add_start_token(tokenizer: Any, token: str) -> None:
     tokenizer.add_bos_token = True
 
 
+def _save_weights(model: Any, path: pathlib.Path) -> None:
+    """The model's weights as one safetensors file, one copy of tied ones under the input
+    embedding's own name (as transformers' save_pretrained names them): loaders that read the
+    embedding by that name and tie the head to it (vLLM) find it there."""
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    kept: Dict[str, Any] = {}
+    stored = set()
+    for name in sorted(state, key=lambda n: "embed_tokens" not in n):  # the embedding first
+        tensor = state[name]
+        if tensor.data_ptr() in stored:
+            continue  # a tied copy (the LM head)
+        stored.add(tensor.data_ptr())
+        kept[name] = tensor.contiguous()
+    save_file(kept, str(path), metadata={"format": "pt"})
+
+
 def convert_gguf(gguf: PathLike, out: PathLike, name: str = "", start_token: str = "",
                  log: Callable[[str], None] = print) -> pathlib.Path:
     """Writes the GGUF model `gguf` as a Hugging Face folder `out` (float32 safetensors, config,
     tokenizer, ``kvbridge.json``). The folder appears whole or not at all (written beside it,
     then renamed). transformers shows the dequantization's progress bar."""
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf, out = pathlib.Path(gguf), pathlib.Path(out)
@@ -236,8 +254,10 @@ def convert_gguf(gguf: PathLike, out: PathLike, name: str = "", start_token: str
         # An ordinary folder: plain float32 weights, so no quantization entry in the config.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        # The class, so that loaders choosing one by it (vLLM) build a causal LM.
+        model.config.architectures = [type(model).__name__]
         model.config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))  # keeps one copy of tied weights
+        _save_weights(model, tmp / "model.safetensors")
         tokenizer.save_pretrained(tmp)
         # Content hashes of the weights as written: the version specs.weights_version gives
         # without reading half a gigabyte again at each start.

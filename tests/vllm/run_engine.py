@@ -1,12 +1,16 @@
-"""One vLLM engine serving a testbed model with KVBridgeConnector, run as its own process by
-test_engine.py: ``python run_engine.py CONFIG.json OUT.json``.
+"""One vLLM engine with KVBridgeConnector (or without a connector), run as its own process by
+test_engine.py and test_real_models.py: ``python run_engine.py CONFIG.json OUT.json``.
 
-CONFIG: {"model": "testbed-a" | "testbed-b", "extra": {kv_connector_extra_config},
-"prompts": [[ids...]], "max_tokens": int, "phases": [{"name", "cache_salt",
-"reset_prefix_cache", "prompts" (this phase's, default the config's), "kill_before" (a pid to
-SIGKILL before the phase, with "kill_port": a loopback port to wait on until it refuses
-connections)}]}. OUT: the connector's spec fingerprint and, per phase, each prompt's generated
-tokens, their logprobs and num_cached_tokens, and the connector's stats after it.
+CONFIG: {"model": "testbed-a" | "testbed-b" | a Hugging Face model folder (served by its path,
+float32, with its own tokenizer), "extra": {kv_connector_extra_config} or null for an engine
+without the connector, "block_size", "max_model_len" (folders only), "prompts": [[ids...]] or
+"texts": [str] (folders only: the engine's tokenizer gives the ids), "max_tokens": int,
+"phases": [{"name", "cache_salt", "reset_prefix_cache", "prompts" / "texts" (this phase's,
+default the config's), "kill_before" (a pid to SIGKILL before the phase, with "kill_port": a
+loopback port to wait on until it refuses connections)}]}. OUT: the connector's spec
+fingerprint ("" without one), the seconds the engine took to start, and per phase each prompt's
+ids, generated tokens and text, their logprobs and num_cached_tokens, and the connector's stats
+after it.
 """
 import json
 import os
@@ -33,32 +37,68 @@ def kill_and_wait(pid: int, port: int, timeout_s: float = 10.0) -> None:
     raise RuntimeError(f"process {pid} still listens on port {port} after SIGKILL")
 
 
+def folder_llm(folder: str, extra, block_size: int, max_model_len: int):
+    """A vllm.LLM serving the model folder by its path (float32, eager, its own tokenizer), with
+    KVBridgeConnector configured by `extra` (None: no connector)."""
+    from vllm import LLM
+
+    from kvbridge.vllm.testbed import connector_config
+
+    opts = dict(model=folder, dtype="float32", block_size=block_size,
+                max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=True,
+                max_num_seqs=16, seed=0)
+    if extra is not None:
+        opts["kv_transfer_config"] = connector_config(dict({"chunk_tokens": block_size}, **extra))
+    return LLM(**opts)
+
+
 def main(config_path: str, out_path: str) -> None:
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvbridge.vllm.testbed import greedy, testbed_llm, token_prompts
 
     with open(config_path) as f:
         cfg = json.load(f)
-    llm = testbed_llm(cfg["model"], cfg["extra"])
-    conn = get_kv_transfer_group()
-    result = {"spec": conn.spec.fingerprint, "phases": {}}
+    t0 = time.monotonic()
+    testbed = cfg["model"].startswith("testbed-")
+    if testbed:
+        llm = testbed_llm(cfg["model"], cfg["extra"])
+        params = greedy(cfg["max_tokens"], logprobs=True)
+    else:
+        llm = folder_llm(cfg["model"], cfg["extra"], int(cfg.get("block_size", 32)),
+                         int(cfg.get("max_model_len", 1024)))
+        params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True,
+                                logprobs=0)
+    conn = get_kv_transfer_group() if cfg["extra"] is not None else None
+    result = {"spec": conn.spec.fingerprint if conn else "",
+              "start_seconds": time.monotonic() - t0, "phases": {}}
     for phase in cfg["phases"]:
         if phase.get("kill_before"):
             kill_and_wait(int(phase["kill_before"]), int(phase["kill_port"]))
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
-        prompts = phase.get("prompts", cfg["prompts"])
-        outs = llm.generate(token_prompts(prompts, phase.get("cache_salt")),
-                            greedy(cfg["max_tokens"], logprobs=True), use_tqdm=False)
+        salt = phase.get("cache_salt")
+        texts = phase.get("texts", cfg.get("texts"))
+        if "prompts" in phase or texts is None:
+            prompts = token_prompts(phase.get("prompts", cfg.get("prompts")), salt)
+        else:
+            prompts = [dict({"prompt": t}, **({"cache_salt": salt} if salt else {}))
+                       for t in texts]
+        started = time.monotonic()
+        outs = llm.generate(prompts, params, use_tqdm=False)
         rows = []
         for out in outs:
             c = out.outputs[0]
-            rows.append({"tokens": list(c.token_ids),
+            rows.append({"prompt_ids": list(out.prompt_token_ids or []),
+                         "tokens": list(c.token_ids), "text": c.text or "",
                          "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                          "num_cached_tokens": int(out.num_cached_tokens or 0)})
-        conn.flush()
-        result["phases"][phase["name"]] = {"rows": rows, "stats": conn.stats()}
+        seconds = time.monotonic() - started
+        if conn is not None:
+            conn.flush()
+        result["phases"][phase["name"]] = {"rows": rows, "seconds": seconds,
+                                           "stats": conn.stats() if conn else {}}
     with open(out_path, "w") as f:
         json.dump(result, f, default=float)
 

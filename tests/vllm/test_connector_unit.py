@@ -210,3 +210,46 @@ def test_background_saves_keep_provenance_and_respect_a_disable():
     shared.flush()
     assert shared.store.match(spec, late, "t").tokens == 0
     assert shared.totals["saves_purged"] == 1 and shared.totals["save_errors"] == 0
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_engine_spec_of_a_real_model_folder_is_the_models_spec(name, tmp_path):
+    """vLLM serving a converted folder by its path (model, tokenizer and the default served
+    name all the path) gives the connector exactly kvbridge.models.load's spec: the name the
+    folder holds, its version and tokenizer id, Gemma 3's per-layer attention, the KV dtype;
+    the same through another path to the folder and under another served name, so an adapter
+    fitted on the folder applies without renaming anything."""
+    from transformers import AutoConfig
+
+    from real_models import folder
+
+    path, why = folder(name)
+    if path is None:
+        pytest.skip(why)
+    from kvbridge import models
+
+    reference = models.load(path).spec
+    config = AutoConfig.from_pretrained(path)
+    plain = options.parse_options({}, 32)
+    spec = options.engine_spec(config, str(path), str(path), [str(path)], torch.float32, "auto",
+                               plain)
+    assert spec == reference and spec.fingerprint == reference.fingerprint
+    assert spec.name == name and spec.name == specs.model_name(path, config)
+    assert list(spec.layer_attention) == list(reference.layer_attention)
+    if name == "gemma3-270m":
+        assert sum(a.sliding_window == 512 for a in spec.layer_attention) == 15
+    link = tmp_path / "served-from-here"
+    link.symlink_to(path, target_is_directory=True)
+    for model, served in ((str(link), [str(link)]), (str(path), ["my-api-name"]),
+                          (str(path), "my-api-name")):
+        assert options.engine_spec(config, model, model, served, torch.float32, "auto",
+                                   plain) == reference
+    # The KV dtype is the engine's cache dtype (here bfloat16 weights, or a float16 cache).
+    assert options.engine_spec(config, str(path), str(path), None, torch.bfloat16, "auto",
+                               plain) == specs.folder_spec(path, config, "bfloat16")
+    assert options.engine_spec(config, str(path), str(path), None, torch.float32, "float16",
+                               plain).dtype == "float16"
+    # model_name still overrides the name (and only it).
+    renamed = options.engine_spec(config, str(path), str(path), None, torch.float32, "auto",
+                                  options.parse_options({"model_name": "other"}, 32))
+    assert renamed.name == "other" and renamed.version == reference.version

@@ -26,6 +26,25 @@ non-finite value is not used (the blocks are recomputed).
 Within one process, the scheduler-side and worker-side instances share one store and Bridge
 (a registry keyed by the store options, adapters and Bridge options).
 
+KV cache groups (``check_kv_cache_groups``): the connector reads and writes every layer of a
+request through one block table, and kvbridge stores every layer's KV for every prompt token. So
+it needs vLLM's KV cache in one group whose layers keep every token's blocks. For models mixing
+sliding-window and full-attention layers (Gemma 2/3) vLLM 0.32 does that by itself: the
+connector does not declare hybrid-allocator support (``SupportsHMA``), so vLLM turns its hybrid
+KV cache manager off, allocates the sliding-window layers like full-attention ones (their
+kernels still attend within the window) and puts all layers in one group. A configuration with
+several groups (``--no-disable-hybrid-kv-cache-manager``, which vLLM refuses with this connector
+anyway) or with every layer sliding below max_model_len is refused at start.
+
+Across tokenizers: an adapter whose source model has another tokenizer (one fitted on aligned
+samples) needs both tokenizers: the engine's (its tokenizer folder) and the source's (the
+``tokenizers`` option, or the folder kvbridge.models converted the source into), registered
+with the Bridge (``register_tokenizers``). Loads then go through ``Bridge.load``, which decodes
+the engine's token ids to text, tokenizes it with the source tokenizer, finds the source's
+cached prefix and converts the aligned target tokens. The scheduler probes such a load by
+running it (``Bridge.load`` without KV: it converts, writes nothing), since the aligned length
+depends on both tokenizations; the worker converts again to fill the blocks.
+
 Quality (kvbridge.vllm.shadow): a request whose ``kv_transfer_params`` hold
 ``{"kvbridge_shadow": {"role": "own"}}`` is served by the model's own prefill (nothing is
 promised); one with ``{"kvbridge_shadow": {"role": "converted", "namespace": ns, "positions": p}}``
@@ -40,6 +59,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import os
 import dataclasses
 import logging
 import queue
@@ -57,7 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                    KVConnectorStats)
 
-from kvbridge import _core
+from kvbridge import _core, specs
 from kvbridge.adapter import LinearAdapter
 from kvbridge.bridge import Bridge
 from kvbridge.store import KVStore
@@ -111,7 +131,8 @@ TIMERS = ("lookup_seconds", "load_seconds", "save_copy_seconds", "save_seconds")
 class _Shared:
     """One process's store, Bridge, counters and save thread for one connector config."""
 
-    def __init__(self, options: ConnectorOptions, spec: _core.ModelSpec):
+    def __init__(self, options: ConnectorOptions, spec: _core.ModelSpec,
+                 tokenizer_folder: Optional[str] = None):
         self.spec = spec
         self.options = options
         self.lock = threading.Lock()
@@ -143,6 +164,9 @@ class _Shared:
                               f"{_spec_fields(adapter.target)} != served {_spec_fields(spec)}")
             self.bridge.add_adapter(adapter)
             self.adapters.append(adapter)
+        across = [a for a in self.adapters if a.source.tokenizer != spec.tokenizer]
+        if across:
+            register_tokenizers(self.bridge, spec, tokenizer_folder, across, options.tokenizers)
         # Adapters the probe may look at: those the Bridge would use (quality gate); of these,
         # the ones the Bridge has disabled are skipped at each probe (usable_adapters).
         self.gated = [a for a in self.adapters if Bridge.quality(a) >= options.min_quality]
@@ -158,7 +182,8 @@ class _Shared:
             self.pending[name] += value
 
     def usable_adapters(self) -> List[LinearAdapter]:
-        """The gated adapters the Bridge has not disabled."""
+        """The gated adapters the Bridge has not disabled (from models with the served model's
+        tokenizer and from others alike)."""
         if not self.gated:
             return []
         enabled = {h["adapter"] for h in self.bridge.adapter_health() if h["enabled"]}
@@ -218,17 +243,81 @@ def _spec_fields(spec: _core.ModelSpec) -> dict:
                                           "rope_style")}
 
 
+def _load_tokenizer(folder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def source_tokenizers(adapters: List[LinearAdapter], folders: Tuple[str, ...]) -> Dict[str, str]:
+    """The tokenizer folder of each adapter source, by tokenizer id: the given `folders`
+    (the ``tokenizers`` option), then the folder kvbridge.models converted the source into
+    (``models_dir()/<source name>``), each taken for the tokenizer id of its files
+    (kvbridge.specs.tokenizer_id), so a folder is used only for the tokenizer it really holds.
+    Raises InvalidArgumentError naming the option for a source with no folder found."""
+    from kvbridge import models
+
+    found: Dict[str, str] = {}
+    candidates = list(folders) + [str(models.models_dir() / a.source.name) for a in adapters]
+    for folder in candidates:
+        tid = specs.tokenizer_id(folder)
+        if tid is not None:
+            found.setdefault(tid, folder)
+    out: Dict[str, str] = {}
+    for a in adapters:
+        folder = found.get(a.source.tokenizer)
+        if folder is None:
+            raise InvalidArgumentError(
+                f"KVBridgeConnector: adapter {a.source.name} -> {a.target.name} converts from "
+                f"another tokenizer (id {a.source.tokenizer!r}); give the folder holding "
+                f"{a.source.name}'s tokenizer files in the 'tokenizers' option (searched: "
+                f"{candidates})")
+        out[a.source.tokenizer] = folder
+    return out
+
+
+def register_tokenizers(bridge: Bridge, spec: _core.ModelSpec, tokenizer_folder: Optional[str],
+                        adapters: List[LinearAdapter], folders: Tuple[str, ...]) -> None:
+    """Registers (Bridge.add_tokenizer) the served model's tokenizer, from the engine's
+    tokenizer folder, and the sources' of `adapters` (adapters from another tokenizer; see
+    source_tokenizers), so that Bridge.load serves the engine's token ids from their caches:
+    the prompt's text is the engine tokenizer's decoding, and the source tokenization is found
+    as Bridge.load does (kvbridge.bridge). Raises InvalidArgumentError when the engine's
+    tokenizer folder is missing or holds another tokenizer than the spec's."""
+    if not tokenizer_folder or specs.tokenizer_id(tokenizer_folder) is None:
+        raise InvalidArgumentError(
+            f"KVBridgeConnector: adapters from other tokenizers need the served model's tokenizer "
+            f"files; the engine's tokenizer {tokenizer_folder!r} is not a local folder holding them")
+    if specs.tokenizer_id(tokenizer_folder) != spec.tokenizer:
+        raise InvalidArgumentError(
+            f"KVBridgeConnector: the engine's tokenizer folder {tokenizer_folder} has tokenizer id "
+            f"{specs.tokenizer_id(tokenizer_folder)!r}, but the served spec says "
+            f"{spec.tokenizer!r} (a 'tokenizer' override?); loads across tokenizers need the "
+            "tokenizer the spec names")
+    bridge.add_tokenizer(spec, _load_tokenizer(tokenizer_folder))
+    loaded: Dict[str, Any] = {}
+    for tid, folder in source_tokenizers(adapters, folders).items():
+        loaded[tid] = _load_tokenizer(folder)
+    for a in adapters:
+        bridge.add_tokenizer(a.source, loaded[a.source.tokenizer])
+    logger.info("kvbridge: tokenizers registered for loads across tokenizers: %s",
+                {a.source.name: source for a, source in
+                 zip(adapters, (source_tokenizers(adapters, folders)[a.source.tokenizer]
+                                for a in adapters))})
+
+
 _REGISTRY: Dict[tuple, _Shared] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def _shared(options: ConnectorOptions, spec: _core.ModelSpec) -> _Shared:
-    key = (options.store, options.adapters, options.min_quality, options.write_back,
-           options.quality, spec.fingerprint)
+def _shared(options: ConnectorOptions, spec: _core.ModelSpec,
+            tokenizer_folder: Optional[str] = None) -> _Shared:
+    key = (options.store, options.adapters, options.tokenizers, options.min_quality,
+           options.write_back, options.quality, spec.fingerprint, tokenizer_folder)
     with _REGISTRY_LOCK:
         found = _REGISTRY.get(key)
         if found is None:
-            found = _REGISTRY[key] = _Shared(options, spec)
+            found = _REGISTRY[key] = _Shared(options, spec, tokenizer_folder)
         return found
 
 
@@ -351,7 +440,8 @@ def load_into_blocks(bridge: Bridge, spec: _core.ModelSpec,
     try:
         if layers is None:
             raise RuntimeError("no KV caches registered")
-        if device_load.wants_device_load(layers):  # convert on the cache's device
+        if (device_load.wants_device_load(layers)  # convert on the cache's device
+                and not device_load.across_tokenizers(bridge, spec)):
             hit = device_load.load(bridge, spec, op.tokens, op.namespace, layers[0][0].device)
         else:
             hit = bridge.load(spec, op.tokens, op.namespace)
@@ -373,6 +463,49 @@ def load_into_blocks(bridge: Bridge, spec: _core.ModelSpec,
                    "for recomputation", op.req_id, max(0, got - op.start), op.stop - op.start,
                    len(failed))
     return max(0, got - op.start), converted, failed
+
+
+def check_kv_cache_groups(kv_cache_config: Any, max_model_len: Optional[int] = None) -> None:
+    """Refuses a KV cache configuration the connector cannot copy whole prompts out of and into.
+
+    The rule: one KV cache group (one block table for every attention layer), whose layers keep
+    the blocks of every token of a request. kvbridge stores and serves every layer's KV for
+    every prompt token (a prefix of any length is then loadable, and a converted one as well),
+    so a layer that drops the blocks of tokens outside its sliding window cannot be saved and
+    one block table must address every layer. vLLM gives exactly that for hybrid models such as
+    Gemma 3 (sliding-window and full-attention layers): with a connector that does not declare
+    hybrid-allocator support (``SupportsHMA``), as this one, it turns the hybrid KV cache
+    manager off, every sliding-window layer is then allocated as a full-attention one (its
+    kernel still attends within its window only) and all layers share one group. Passing
+    ``--no-disable-hybrid-kv-cache-manager`` makes vLLM refuse the connector. A model whose
+    layers all slide (one group of sliding-window layers, which the hybrid manager does not
+    change) is refused when its window is shorter than max_model_len: its blocks past the window
+    are freed while the request runs.
+    """
+    if kv_cache_config is None:
+        return
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) > 1:
+        raise InvalidArgumentError(
+            f"KVBridgeConnector: vLLM made {len(groups)} KV cache groups "
+            f"({[type(g.kv_cache_spec).__name__ for g in groups]}); the connector needs one block "
+            "table for every layer: keep vLLM's hybrid KV cache manager off "
+            "(--disable-hybrid-kv-cache-manager; vLLM does so by itself for this connector)")
+    for group in groups:
+        spec = group.kv_cache_spec
+        # A FullAttentionSpec keeps every token's blocks (also one promoted from a sliding
+        # window, which keeps its sliding_window field for the kernel).
+        if any(c.__name__ == "FullAttentionSpec" for c in type(spec).__mro__):
+            continue
+        window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size",
+                                                                   None)
+        if window and max_model_len is not None and int(window) >= int(max_model_len):
+            continue  # no request outgrows the window: every block stays
+        raise InvalidArgumentError(
+            f"KVBridgeConnector: the attention layers' KV cache ({type(spec).__name__}, window "
+            f"{window}) does not keep every token's blocks up to max_model_len {max_model_len}; "
+            "kvbridge saves and loads every token of every layer (a max_model_len of at most "
+            "the window would)")
 
 
 def check_cpu_layout(dtype: torch.dtype, heads: int, block_size: int, head_dim: int) -> None:
@@ -423,7 +556,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._spec = engine_spec(mc.hf_text_config, mc.model, mc.tokenizer,
                                  mc.served_model_name, mc.dtype,
                                  vllm_config.cache_config.cache_dtype, self._options)
-        self._shared = _shared(self._options, self._spec)
+        check_kv_cache_groups(kv_cache_config, getattr(mc, "max_model_len", None))
+        tokenizer = mc.tokenizer if mc.tokenizer and os.path.isdir(str(mc.tokenizer)) else None
+        self._shared = _shared(self._options, self._spec, tokenizer)
         self._chunk = self._shared.store.chunk_tokens
         # scheduler side
         self._reqs: Dict[str, _ReqState] = {}
@@ -569,12 +704,27 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 # holding one (the load serves what comes before it, if anything).
                 native = best = 0 if bridge.adapter_dropped(found.adapter) else found.tokens
                 origin = (found.converted_from, found.adapter) if native else ("", "")
-                for adapter in self._shared.usable_adapters():
+                usable = self._shared.usable_adapters()
+                for adapter in usable:
+                    if adapter.source.tokenizer != self._spec.tokenizer:
+                        continue  # another tokenizer's ids: probed below
                     source = store.match(adapter.source, tokens, ns, return_kv=False)
                     length = 0 if bridge.adapter_dropped(source.adapter) else source.tokens
                     if length > best:
                         best = length
                         origin = (adapter.source.fingerprint, adapter.fingerprint)
+                if any(a.source.tokenizer != self._spec.tokenizer for a in usable):
+                    # Across tokenizers the aligned length depends on the text's tokenization
+                    # under each source tokenizer and on the adapter's alignment: the probe is
+                    # the Bridge's own load (it converts; its Bridge writes nothing back).
+                    try:
+                        found = bridge.load(self._spec, tokens, ns, return_kv=False)
+                        if found.tokens > best:
+                            best = found.tokens
+                            origin = (found.converted_from, found.adapter)
+                    except Exception as e:  # a probe never fails the request
+                        logger.warning("kvbridge: probe across tokenizers of request %s "
+                                       "failed: %s", request.request_id, e)
             self._shared.count("lookups")
             self._shared.count("lookup_seconds", time.perf_counter() - t0)
             if best > native:

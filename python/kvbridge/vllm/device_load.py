@@ -163,9 +163,16 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
                       native.adapter)
 
 
+def across_tokenizers(bridge: Bridge, spec: _core.ModelSpec) -> bool:
+    """True when an adapter to `spec` from another tokenizer is registered: the connector then
+    loads through Bridge.load (on the CPU, which aligns the tokenizations), not through `load`."""
+    return any(a.target.fingerprint == spec.fingerprint and a.source.tokenizer != spec.tokenizer
+               for a in bridge.adapters())
+
+
 def wants_device_load(layers: Optional[Sequence[Tuple[torch.Tensor, torch.Tensor]]]) -> bool:
     """True when the paged cache is on a CUDA device (converted KV is then made there)."""
     return bool(layers) and layers[0][0].device.type == "cuda"
 
 
-__all__ = ["DeviceLoad", "load", "wants_device_load"]
+__all__ = ["DeviceLoad", "across_tokenizers", "load", "wants_device_load"]

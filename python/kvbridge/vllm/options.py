@@ -17,8 +17,8 @@ from kvbridge._core import InvalidArgumentError
 #: The Bridge's quality-fallback options the connector passes through (kvbridge.monitor): an
 #: adapter whose rolling shadow-check agreement falls below min_agreement is disabled.
 QUALITY_KEYS = ("min_agreement", "check_window", "min_checks")
-CONNECTOR_KEYS = ("namespace", "adapters", "min_quality", "write_back", "model_name", "version",
-                  "tokenizer", "layout") + QUALITY_KEYS
+CONNECTOR_KEYS = ("namespace", "adapters", "tokenizers", "min_quality", "write_back", "model_name",
+                  "version", "tokenizer", "layout") + QUALITY_KEYS
 #: Default memory tier of the connector's store.
 DEFAULT_CAPACITY_BYTES = 1 << 30
 _KV_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -39,8 +39,10 @@ class ConnectorOptions:
 
     store: StoreOptions fields by name (capacity_bytes defaults to DEFAULT_CAPACITY_BYTES,
         chunk_tokens to the engine's block size); namespace: default tenant namespace;
-    adapters: adapter file paths (their target must be the served model); min_quality: the
-        Bridge's; write_back: save prompts whose KV derives from a conversion (with its
+    adapters: adapter file paths (their target must be the served model); tokenizers: folders
+        holding the tokenizers of adapter sources whose tokenizer differs from the served
+        model's (matched by kvbridge.specs.tokenizer_id; see connector.source_tokenizers);
+    min_quality: the Bridge's; write_back: save prompts whose KV derives from a conversion (with its
         provenance, from the background thread: the connector's Bridge itself never writes
         back); model_name, version, tokenizer: override the derived ModelSpec fields; layout:
         the paged layout ("cpu" / "split"; default by device);
@@ -51,6 +53,7 @@ class ConnectorOptions:
     store: Tuple[Tuple[str, Any], ...]
     namespace: str = "default"
     adapters: Tuple[str, ...] = ()
+    tokenizers: Tuple[str, ...] = ()
     min_quality: float = 0.5
     write_back: bool = True
     model_name: Optional[str] = None
@@ -108,6 +111,16 @@ def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> Connec
     for p in adapters:
         if not os.path.isfile(os.fspath(p)):
             raise InvalidArgumentError(f"KVBridgeConnector: adapter file {os.fspath(p)!r} does not exist")
+    tokenizers = extra.get("tokenizers", ())
+    if isinstance(tokenizers, (str, os.PathLike)):
+        tokenizers = (tokenizers,)
+    if not isinstance(tokenizers, (list, tuple)):
+        raise InvalidArgumentError("KVBridgeConnector: 'tokenizers' must be a list of tokenizer "
+                                   f"folders, got {type(tokenizers).__name__}")
+    for p in tokenizers:
+        if specs.tokenizer_id(os.fspath(p)) is None:
+            raise InvalidArgumentError(f"KVBridgeConnector: tokenizers: {os.fspath(p)!r} is not a "
+                                       "folder holding tokenizer files")
     layout = extra.get("layout")
     if layout is not None and layout not in ("cpu", "split"):
         raise InvalidArgumentError(f"KVBridgeConnector: layout must be 'cpu' or 'split', got {layout!r}")
@@ -144,6 +157,7 @@ def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> Connec
     return ConnectorOptions(
         store=tuple(sorted(store.items())), namespace=namespace,
         adapters=tuple(os.path.abspath(os.fspath(p)) for p in adapters),
+        tokenizers=tuple(os.path.abspath(os.fspath(p)) for p in tokenizers),
         min_quality=min_quality, write_back=write_back,
         model_name=extra.get("model_name"), version=extra.get("version"),
         tokenizer=extra.get("tokenizer"), layout=layout, chunk_tokens=int(store["chunk_tokens"]),
@@ -185,19 +199,31 @@ def kv_dtype_name(model_dtype: Any, cache_dtype: str) -> str:
 
 def engine_spec(hf_config: Any, model: str, tokenizer: Optional[str], served_name: Any,
                 model_dtype: Any, cache_dtype: str, options: ConnectorOptions) -> _core.ModelSpec:
-    """The served model's ModelSpec by the rules of kvbridge.specs.
+    """The served model's ModelSpec by the rules of kvbridge.specs: for a model folder, exactly
+    the spec ``kvbridge.models.load(folder, dtype)`` gives (``specs.folder_spec``), wherever
+    the folder lies and whatever name vLLM serves it under, so that entries and adapters made
+    outside vLLM apply to the engine without renaming anything.
 
     model, tokenizer: vLLM's model and tokenizer paths (or hub names); served_name: vLLM's
-    served model name (a string or a list, the first is used).
-    Name: options.model_name, else the served name. Version: options.version, else
-    weights_version(model), else "<model>" (a hub name without a local folder). Tokenizer:
-    options.tokenizer, else tokenizer_id of the tokenizer folder, else of the model folder,
-    else the tokenizer's name.
+    served model name (a string or a list, the first is used): an API alias, which names the
+    spec only for a model that is not a local folder (vLLM's default served name is the model
+    path, which is never the identity of a folder).
+    Name: options.model_name, else ``specs.model_name`` of the model folder (its
+    ``kvbridge.json``, the config's recorded name, the folder's own name), else the served
+    name, else `model`. Version: options.version, else weights_version(model), else
+    "<model>" (a hub name without a local folder). Tokenizer: options.tokenizer, else
+    tokenizer_id of the tokenizer folder, else of the model folder, else the tokenizer's name.
+    KV dtype: the engine's cache dtype (``kv_dtype_name``), which is the dtype the connector
+    reads from and writes into the paged cache (checked again against the cache tensors when
+    they are registered).
     """
     if isinstance(served_name, (list, tuple)):
         served_name = served_name[0] if served_name else None
-    name = options.model_name or served_name or model
-    version = options.version or specs.weights_version(model) or str(model)
+    model = str(model)
+    folder = model if os.path.isdir(model) else None
+    name = options.model_name or (specs.model_name(folder, hf_config) if folder else None) \
+        or served_name or model
+    version = options.version or specs.weights_version(model) or model
     tok = options.tokenizer
     if tok is None:
         tok = ((specs.tokenizer_id(tokenizer) if tokenizer else None)
