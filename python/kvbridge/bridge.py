@@ -63,7 +63,7 @@ class Bridge:
     the most: loads holding converted tokens take the first token's KV from the target's own
     (add_start; save() registers the first token of each prompt a model saves of its own) when
     the prompt opens with that token. On SmolLM2-135M -> Gemma-3-270M this alone raised kept from
-    0.58 to 0.64 (benchmarks/recorded/210-real-pairs.md).
+    0.58 to 0.64 (benchmarks/recorded/215-real-pairs.md).
 
     Models with different tokenizers: register each model's tokenizer (add_tokenizer) and an
     adapter fitted on aligned samples (AdapterFitter(alignment_policy=...)); load() then also

@@ -157,8 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=at_least(16), nargs="+", default=[1000, 2000])
     p.add_argument("--continuation-tokens", type=at_least(1), default=128)
     p.add_argument("--steps", type=at_least(1), default=24, help="greedy tokens shown")
-    p.add_argument("--train-windows", type=at_least(1), default=real_eval.RealConfig.train_windows)
-    p.add_argument("--source-layers", default=real_eval.RealConfig.source_layers)
+    # A smaller fit than the eval's, so that a first run stays within a few minutes.
+    p.add_argument("--train-windows", type=at_least(1), default=48)
+    p.add_argument("--source-layers", default="3",
+                   help="auto, all, or k nearest in depth (default 3)")
     p.add_argument("--adapter-dir", default=None, help="default: ~/.cache/kvbridge/adapters")
     p.add_argument("--threads", type=at_least(0), default=0)
     p.add_argument("--json", metavar="PATH", help="write the report as JSON here")
