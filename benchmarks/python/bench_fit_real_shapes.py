@@ -17,6 +17,7 @@ resident memory.
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/python/bench_fit_real_shapes.py --direction reverse
 """
 import argparse
+import os
 import resource
 import time
 
@@ -42,6 +43,8 @@ def main() -> None:
                     help="source layers each target layer is a function of")
     ap.add_argument("--noise", type=float, default=0.3)
     ap.add_argument("--max-source-layers", type=int, default=8)
+    ap.add_argument("--exact-candidates", type=int, default=None,
+                    help="FitOptions.exact_candidates (default: the fitter's)")
     ap.add_argument("--progress", action="store_true", help="show fit()'s progress bar")
     ap.add_argument("--quiet", action="store_true", help="no per-layer selection table")
     args = ap.parse_args()
@@ -65,8 +68,9 @@ def main() -> None:
     maps = [torch.randn(len(p) * 2 * Ws, 2 * Wt, generator=g) / (len(p) * 2 * Ws) ** 0.5
             for p in planted]
 
+    extra = {} if args.exact_candidates is None else {"exact_candidates": args.exact_candidates}
     fitter = kvbridge.AdapterFitter(source, target, rope_aware=False,
-                                    max_source_layers=args.max_source_layers)
+                                    max_source_layers=args.max_source_layers, **extra)
     print(f"{args.direction}: {sn} ({Ls} x {Hs} x {Ds}) -> {tn} ({Lt} x {Ht} x {Dt}); "
           f"{args.tokens} tokens in samples of {args.sample_tokens}; latent rank {R}, "
           f"{args.planted} planted source layers per target layer, noise {args.noise}; "
@@ -93,17 +97,17 @@ def main() -> None:
         seed += 1
     print(f"add: {t_add:.1f} s; train / held-out tokens {fitter.train_tokens} / "
           f"{fitter.holdout_tokens}")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         adapter = fitter.fit(progress=args.progress)
     except TypeError:  # a fitter without progress reporting
         adapter = fitter.fit()
-    t_fit = time.perf_counter() - t0
+    t_fit, c_fit = time.perf_counter() - t0, time.process_time() - c0
     report = adapter.report
     r2 = [0.5 * (lf["r2_key"] + lf["r2_value"]) for lf in report["layers"]]
     sizes = [len(lf["source_layers"]) for lf in report["layers"]]
     hits = sum(len(set(lf["source_layers"]) & set(p)) for lf, p in zip(report["layers"], planted))
-    print(f"fit: {t_fit:.1f} s; source layers per target layer {min(sizes)}..{max(sizes)} "
+    print(f"fit: {t_fit:.1f} s (CPU {c_fit:.1f} s, load average {os.getloadavg()[0]:.1f}); source layers per target layer {min(sizes)}..{max(sizes)} "
           f"(mean {sum(sizes) / len(sizes):.1f}); planted layers selected {hits}/"
           f"{sum(len(p) for p in planted)}; held-out R² mean {sum(r2) / len(r2):.4f} "
           f"min {min(r2):.4f}; peak RSS {peak_rss_gib():.2f} GiB")

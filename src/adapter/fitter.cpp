@@ -890,9 +890,23 @@ struct AdapterFitter::Impl {
     const double f = static_cast<double>(layer_features), c = 2.0 * outputs,
                  n = static_cast<double>(k) * f, A = static_cast<double>(options.ridge_grid.size());
     const double exact = A * (n * n * (f + 3 * c) + n * f * (f + 4 * c) + f * f * f / 3);
-    const double tries = k == 0 ? 1 : static_cast<double>(std::min(options.exact_candidates, left));
+    const double tries = static_cast<double>(exact_tries(k, left));
     const double scr = k == 0 ? 0 : static_cast<double>(left) * (4 * n * f * c + 5 * f * f * c);
     return 1e-9 * (tries * exact + scr);
+  }
+
+  // How many candidates the round from k source layers fits exactly, of `left` ranked: the first
+  // layer's ranking is exact already; exact_candidates while the set is small (the cheap rounds,
+  // whose choices shape the rest), one from half of max_source_layers on (each exact fit there
+  // costs as much as the first few rounds together).
+  int64_t exact_tries(int64_t k, int64_t left) const {
+    const int64_t n = k == 0 || 2 * k >= options.max_source_layers ? 1 : options.exact_candidates;
+    return std::min(n, left);
+  }
+  int64_t screen_keep() const { return std::max<int64_t>(8, 4 * options.exact_candidates); }
+  // How many candidates the round from k source layers ranks, of nc.
+  int64_t screened(int64_t k, int64_t nc) const {
+    return k <= 1 ? nc - k : std::min(nc - k, screen_keep());
   }
 
   Choice select_auto_one(int64_t j, const std::vector<SlotStats>& st, Progress& progress) const {
@@ -904,7 +918,12 @@ struct AdapterFitter::Impl {
     RidgePath p;
     p.ridge.resize(options.ridge_grid.size());
     Choice out;
-    std::vector<bool> used(static_cast<size_t>(NC), false);
+    // The candidates the next round ranks: all of them for the first two layers, after that the
+    // best `keep` by the previous round's screen (a layer it ranked low rarely rises to the top
+    // as the set grows, and the screen is most of a round's cost where candidates are many).
+    std::vector<int64_t> pool(static_cast<size_t>(NC));
+    for (int64_t ci = 0; ci < NC; ++ci) pool[static_cast<size_t>(ci)] = ci;
+    const int64_t keep = screen_keep();
     std::array<double, 2> r2{};
     std::array<int64_t, 2> best{-1, -1};
     double score = -HUGE_VAL;
@@ -913,8 +932,7 @@ struct AdapterFitter::Impl {
       progress.check();
       // Rank the remaining candidates: exactly for the first layer, by the screen after.
       std::vector<std::pair<double, int64_t>> ranked;
-      for (int64_t ci = 0; ci < NC; ++ci) {
-        if (used[static_cast<size_t>(ci)]) continue;
+      for (int64_t ci : pool) {
         const int64_t slot = plan.slot(C[static_cast<size_t>(ci)]);
         double v;
         if (k == 0) {
@@ -932,7 +950,7 @@ struct AdapterFitter::Impl {
       std::stable_sort(ranked.begin(), ranked.end(),
                        [](const auto& x, const auto& y) { return x.first > y.first; });
       const int64_t left = static_cast<int64_t>(ranked.size());
-      const int64_t tries = k == 0 ? 1 : std::min(options.exact_candidates, left);
+      const int64_t tries = exact_tries(k, left);
       std::optional<Extension> win;
       std::vector<SelectionStep> round;
       for (int64_t i = 0; i < tries; ++i) {
@@ -966,11 +984,15 @@ struct AdapterFitter::Impl {
       const double cost = round_cost(k, left);
       if (!take) {
         double rest = 0;
-        for (int64_t r = k + 1; r < most; ++r) rest += round_cost(r, NC - r);
+        for (int64_t r = k + 1; r < most; ++r) rest += round_cost(r, screened(r, NC));
         progress.step(cost, rest, j, k);
         break;
       }
-      used[static_cast<size_t>(win->cand)] = true;
+      pool.clear();
+      for (const auto& [v, ci] : ranked)
+        if (ci != win->cand && (k == 0 || static_cast<int64_t>(pool.size()) < keep))
+          pool.push_back(ci);
+      if (k == 0) std::sort(pool.begin(), pool.end());
       commit(p, std::move(*win), st, t);
       pick_best(p.ridge, t.sst, r2, best, score);
       progress.step(cost, 0, j, k + 1);
@@ -1012,7 +1034,7 @@ struct AdapterFitter::Impl {
       const int64_t NC = static_cast<int64_t>(plan.candidates[static_cast<size_t>(j)].size());
       double first = 1e-9 * static_cast<double>(NC) * 5 * f * f * c;
       for (int64_t k = 0; k < std::min(options.max_source_layers, NC); ++k)
-        first += round_cost(k, NC - k);
+        first += round_cost(k, screened(k, NC));
       progress.plan(first);
     }
     const std::vector<SlotStats> st = slot_stats(slot_sd());
