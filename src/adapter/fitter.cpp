@@ -906,7 +906,7 @@ struct AdapterFitter::Impl {
   int64_t screen_keep() const { return std::max<int64_t>(8, 4 * options.exact_candidates); }
   // How many candidates the round from k source layers ranks, of nc.
   int64_t screened(int64_t k, int64_t nc) const {
-    return k <= 1 ? nc - k : std::min(nc - k, screen_keep());
+    return k <= 1 ? nc - k : std::max<int64_t>(std::min(nc - 2, screen_keep()) - (k - 2), 0);
   }
 
   Choice select_auto_one(int64_t j, const std::vector<SlotStats>& st, Progress& progress) const {
@@ -919,8 +919,9 @@ struct AdapterFitter::Impl {
     p.ridge.resize(options.ridge_grid.size());
     Choice out;
     // The candidates the next round ranks: all of them for the first two layers, after that the
-    // best `keep` by the previous round's screen (a layer it ranked low rarely rises to the top
-    // as the set grows, and the screen is most of a round's cost where candidates are many).
+    // best `keep` by the second layer's screen, less the layers taken since (a layer the screen
+    // ranked low rarely rises to the top as the set grows, and the screen is most of a round's
+    // cost where candidates are many).
     std::vector<int64_t> pool(static_cast<size_t>(NC));
     for (int64_t ci = 0; ci < NC; ++ci) pool[static_cast<size_t>(ci)] = ci;
     const int64_t keep = screen_keep();
