@@ -43,6 +43,9 @@ def main() -> None:
                     help="source layers each target layer is a function of")
     ap.add_argument("--noise", type=float, default=0.3)
     ap.add_argument("--max-source-layers", type=int, default=8)
+    ap.add_argument("--min-gain", type=float, default=None,
+                    help="FitOptions.min_gain (default: the fitter's); a negative one makes every "
+                         "target layer take max_source_layers layers, the most work")
     ap.add_argument("--exact-candidates", type=int, default=None,
                     help="FitOptions.exact_candidates (default: the fitter's)")
     ap.add_argument("--progress", action="store_true", help="show fit()'s progress bar")
@@ -69,6 +72,8 @@ def main() -> None:
             for p in planted]
 
     extra = {} if args.exact_candidates is None else {"exact_candidates": args.exact_candidates}
+    if args.min_gain is not None:
+        extra["min_gain"] = args.min_gain
     fitter = kvbridge.AdapterFitter(source, target, rope_aware=False,
                                     max_source_layers=args.max_source_layers, **extra)
     print(f"{args.direction}: {sn} ({Ls} x {Hs} x {Ds}) -> {tn} ({Lt} x {Ht} x {Dt}); "
