@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,14 +35,35 @@ struct FitOptions {
   /// tokenizers are aligned with; "" (the default) for a pair sharing one tokenizer. Recorded in
   /// the report and the adapter file; the fitter itself takes the alignments given to add().
   std::string alignment_policy;
-  /// Ridge strengths relative to the mean feature variance; the best on held-out tokens is chosen
-  /// per map. A single value fixes it.
+  /// Ridge strengths relative to the features' variance: the penalty on the weights of a source
+  /// layer's features is the strength times that layer's mean feature variance (on training
+  /// tokens), as if every source layer were scaled to mean variance 1. The best on held-out
+  /// tokens is chosen per map. A single value fixes it.
   std::vector<double> ridge_grid = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0};
   double holdout = 0.1;  ///< share of tokens held out for selection and R², in (0, 0.5]
   uint64_t seed = 0;     ///< decides which tokens are held out
   /// Bound on the fitter's float64 accumulators (see AdapterFitter); exceeding it is an error
   /// at construction, not an allocation failure later.
   int64_t max_memory_bytes = int64_t{8} << 30;
+  /// kAuto: a source layer is added only when it raises the held-out R² of its target layer
+  /// (mean of K and V) by at least this much.
+  double min_gain = 1e-4;
+  /// kAuto, from a target layer's second source layer on: how many candidates, ranked by the
+  /// screen (see AdapterFitter), are fitted exactly at each step while the target layer holds
+  /// fewer than max_source_layers / 2 source layers (one after that, where exact fits cost
+  /// most); the best of them is taken.
+  int64_t exact_candidates = 2;
+};
+
+/// One step of kAuto's selection for one target layer: a candidate source layer fitted exactly
+/// together with the layers chosen before it.
+struct SelectionStep {
+  int64_t source_layer = -1;
+  double r2_key = 0, r2_value = 0;  ///< held-out R² of the set with it (each at its best ridge)
+  /// The screen's estimate of the mean held-out R² with it (for the first layer: its exact
+  /// single-layer R²).
+  double screen = 0;
+  bool accepted = false;  ///< taken into the set (at most one per round)
 };
 
 /// Fit quality of one target layer, measured on held-out tokens.
@@ -49,6 +71,10 @@ struct LayerFit {
   std::vector<int64_t> source_layers;
   double r2_key = 0, r2_value = 0;        ///< held-out R² of un-rotated keys / values
   double ridge_key = 0, ridge_value = 0;  ///< chosen relative ridge strengths
+  /// kAuto: every exactly fitted step in order, a round at a time (the accepted one of a round
+  /// last among that round's), so that the R² after each added layer and the gains that stopped
+  /// the selection can be read off. Empty for kAll and kExplicit (and in files without it).
+  std::vector<SelectionStep> selection;
 };
 
 struct FitReport {
@@ -213,6 +239,18 @@ class LinearAdapter {
 /// ("amx", "avx512bf16", "avx512", "avx2" or "generic" caps the choice).
 const char* cpu_convert_kernel(DType target_dtype) noexcept;
 
+/// Progress of AdapterFitter::fit, passed to its callback.
+struct FitProgress {
+  /// Work finished and work in all, in units of about 1e9 floating-point operations (an
+  /// estimate). total may shrink (never below done) when a selection stops early.
+  double done = 0, total = 0;
+  int64_t target_layer = -1;  ///< the target layer whose step just finished; -1 for other work
+  int64_t source_layers = 0;  ///< how many source layers that target layer has chosen so far
+};
+/// Called from any of fit()'s threads, one call at a time. An exception it throws stops fit()
+/// (at the next step of each thread) and propagates out of fit().
+using FitProgressCallback = std::function<void(const FitProgress&)>;
+
 /// Accumulates paired samples and solves the ridge regressions.
 ///
 /// Shapes: Ls, Lt = source / target num_layers; Fl = 2 * source.num_kv_heads * source.head_dim
@@ -245,14 +283,30 @@ const char* cpu_convert_kernel(DType target_dtype) noexcept;
 /// products (dsyrk for the diagonal blocks, dgemm for the rest), independent products running in
 /// parallel on omp_get_max_threads() threads; with CUDA views the same products run on the device
 /// (cuBLAS DSYRK / DGEMM, one after another on one stream) and the host's part is building and
-/// uploading the float64 features, O(tokens * (U * Fl + 2 * Lt * O)). fit() does one eigendecomposition (LAPACK dsyevd)
-/// of size |S| * Fl per distinct candidate set S, shared by every target layer that tries S
-/// (kAll: one in all; kAuto's first round: one per source layer) and by every ridge strength;
-/// independent sets run in parallel, a lone one on threaded LAPACK. Per (target layer, set) it
-/// adds O(|S| Fl * (|S| Fl + 2 O) * 2 O) of products. kAuto tries sets a round of greedy
-/// selection at a time, about sum_j |C_j| * max_source_layers of them in all; next_pass() does
-/// Ls eigendecompositions of size Fl. fit() holds, per set in progress, about 8 (|S| Fl)^2 float64
-/// temporaries, plus float32 weights of each target layer's current and best sets.
+/// uploading the float64 features, O(tokens * (U * Fl + 2 * Lt * O)).
+/// fit() works on standardised features (each source layer's divided by the square root of its
+/// mean variance), with A = ridge_grid.size() strengths and c = 2 O outputs per target layer:
+/// - kAll, kExplicit: one eigendecomposition (LAPACK dsyevd) of size |S| * Fl per distinct set S,
+///   shared by every target layer that uses it and by every ridge strength (independent sets in
+///   parallel, a lone one on threaded LAPACK), plus O(|S| Fl * (|S| Fl + c) * c) per target layer.
+/// - kAuto: per candidate layer an eigendecomposition of size Fl (shared by all target layers);
+///   then each target layer on its own (target layers in parallel, one thread each): its first
+///   layer is the best candidate alone by exact held-out R²; after that, with n = k Fl features
+///   chosen, the remaining candidates are screened in O(n Fl c) each (the held-out R² of fitting
+///   the current maps' training residual with that layer alone, every strength from the layer's
+///   eigenbasis): all of them for the second layer, later the max(8, 4 exact_candidates) best by
+///   the previous screen; and the exact_candidates best by the screen (one from max_source_layers
+///   / 2 layers on) are fitted exactly, at every
+///   strength, by extending the chosen set's Cholesky factors (one per strength) by one layer:
+///   O(A n^2 (Fl + 3 c)) each. The best exact one is added if it gains at least min_gain in
+///   held-out R² (the mean of K and V), else the target layer stops; at most max_source_layers.
+///   Memory per target layer in progress: about A (n^2 + 2 n c) float64 for the factors,
+///   weights and held-out products, n^2 + n c for the held-out scatter, and per exactly fitted
+///   candidate A (n Fl + 2 n c); plus, shared, 3 Fl^2 per candidate layer and per target layer
+///   in progress 2 |C_j| Fl c. For 30 source layers of Fl = 384 and 18 target layers of O = 256
+///   with max_source_layers 8: at most about 1.1 GiB per target layer in progress (the eighth
+///   layer's round), 1.6 GiB the other way round (Fl = 512, O = 192).
+/// next_pass() does Ls eigendecompositions of size Fl.
 class AdapterFitter {
  public:
   /// Throws InvalidArgument for bad specs or options, including accumulators over
@@ -317,6 +371,8 @@ class AdapterFitter {
   /// tokens were added (fewer than 2 training or 2 held-out tokens); Unavailable when a CUDA
   /// copy fails or an earlier add() failed on the device.
   LinearAdapter fit() const;
+  /// As fit(), reporting progress to `progress` (may be empty) after every step.
+  LinearAdapter fit(const FitProgressCallback& progress) const;
 
  private:
   void add_impl(const KVView& src, const KVView& tgt, int64_t start_pos,

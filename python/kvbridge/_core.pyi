@@ -169,6 +169,8 @@ class FitOptions:
     holdout: float
     seed: int
     max_memory_bytes: int
+    min_gain: float
+    exact_candidates: int
 
 class LinearAdapter:
     @property
@@ -205,7 +207,8 @@ class AdapterFitter:
     def pass_index(self) -> int: ...
     def next_pass(self) -> None: ...
     def candidate_layers(self) -> List[List[int]]: ...
-    def fit(self) -> LinearAdapter: ...
+    def fit(self, progress: Optional[Callable[[float, float, int, int], None]] = None
+            ) -> LinearAdapter: ...
 
 class BridgeLoad:
     @property

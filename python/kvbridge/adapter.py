@@ -134,6 +134,11 @@ class AdapterFitter:
         kvbridge.align) the alignments given to add() were made with; "" (default) for a pair
         sharing one tokenizer. Recorded in the report and the adapter file (kvbridge.Bridge
         accepts an adapter between different tokenizers only when it names a policy).
+    max_source_layers: "auto": most source layers one target layer may draw on.
+    min_gain: "auto": a source layer is added only if it raises the target layer's held-out R²
+        (mean of keys and values) by at least this much.
+    exact_candidates: "auto", from the second source layer on: how many candidates, ranked by a
+        cheap screen, are fitted exactly at each step (the best of them is added).
     max_memory_bytes: bound on the float64 accumulators (default 8 GiB). When "auto" over all
         source layers would exceed it, the fitter takes two passes over the samples: a probe pass
         that ranks source layers per target layer, then `next_pass()` and the same samples again
@@ -145,7 +150,8 @@ class AdapterFitter:
                  source_layers: SourceLayers = "auto", rope_aware: bool = True,
                  ridge: Union[str, float] = "auto", holdout: float = 0.1,
                  max_source_layers: int = 8, seed: int = 0,
-                 max_memory_bytes: Optional[int] = None, alignment_policy: str = ""):
+                 max_memory_bytes: Optional[int] = None, alignment_policy: str = "",
+                 min_gain: float = 1e-4, exact_candidates: int = 2):
         opts = _core.FitOptions()
         if isinstance(source_layers, str):
             if source_layers not in ("auto", "all"):
@@ -165,6 +171,10 @@ class AdapterFitter:
         opts.max_source_layers = _args.size("max_source_layers", max_source_layers)
         opts.seed = _args.seed("seed", seed)
         opts.alignment_policy = _args.text("alignment_policy", alignment_policy)
+        opts.min_gain = _args.number("min_gain", min_gain)
+        opts.exact_candidates = _args.size("exact_candidates", exact_candidates)
+        if opts.exact_candidates < 1:
+            raise InvalidArgumentError(f"exact_candidates must be >= 1, got {exact_candidates}")
         if max_memory_bytes is not None:
             opts.max_memory_bytes = _args.size("max_memory_bytes", max_memory_bytes)
         self._native = _core.AdapterFitter(source_spec, target_spec, opts)
@@ -216,8 +226,40 @@ class AdapterFitter:
         tk, tv = kv_views(tgt)
         self._native.add(sk, sv, tk, tv, _args.position("start_pos", start_pos), alignment)
 
-    def fit(self) -> LinearAdapter:
-        return LinearAdapter(self._native.fit())
+    def fit(self, progress: Union[bool, Callable[[float, float, int, int], None], None] = None
+            ) -> LinearAdapter:
+        """Solves the regressions and returns the adapter.
+
+        progress: True shows a tqdm bar (if tqdm is installed) of fit()'s estimated work; a
+            callable is called as progress(done, total, target_layer, source_layers) after every
+            step (work in units of about 1e9 floating-point operations, an estimate; total may
+            shrink when a target layer's selection stops early; target_layer -1 for work that
+            is not one target layer's), from fit()'s threads, one call at a time. An exception
+            it raises stops fit() and propagates.
+        """
+        if progress is None or progress is False:
+            return LinearAdapter(self._native.fit())
+        if progress is True:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return LinearAdapter(self._native.fit())
+            bar = tqdm(total=1.0, desc="fit", unit="GFLOP", unit_scale=False,
+                       bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} GFLOP [{elapsed}<{remaining}]")
+            def update(done: float, total: float, layer: int, layers: int) -> None:
+                bar.total = max(total, 1e-9)
+                bar.n = done
+                if layer >= 0:
+                    bar.set_postfix_str(f"target layer {layer}: {layers} source layers",
+                                        refresh=False)
+                bar.refresh()
+            try:
+                return LinearAdapter(self._native.fit(update))
+            finally:
+                bar.close()
+        if not callable(progress):
+            raise InvalidArgumentError(f"progress: expected a bool or a callable, got {progress!r}")
+        return LinearAdapter(self._native.fit(progress))
 
 
 def fit_adapter(source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
@@ -232,7 +274,7 @@ def fit_adapter(source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
     batches: token batches (whatever the callables take), e.g. lists of token ids. When the
         fitter needs two passes (see AdapterFitter), they are iterated twice, so they must be a
         re-iterable collection (a list, say), not a one-shot iterator or generator.
-    progress: show a tqdm progress bar (if tqdm is installed).
+    progress: show tqdm progress bars (if tqdm is installed) of the batches and of fit().
     """
     fitter = AdapterFitter(source_spec, target_spec, **fitter_options)
     if fitter.passes > 1 and iter(batches) is batches:
@@ -255,7 +297,7 @@ def fit_adapter(source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
             for batch in items:
                 fitter.add(source_kv_fn(batch), target_kv_fn(batch),
                            alignment=None if alignment_fn is None else alignment_fn(batch))
-    return fitter.fit()
+    return fitter.fit(progress=progress)
 
 
 __all__: List[str] = ["AdapterFitter", "LinearAdapter", "fit_adapter"]

@@ -447,6 +447,17 @@ py::dict report_dict(const FitReport& r) {
     d["r2_value"] = lf.r2_value;
     d["ridge_key"] = lf.ridge_key;
     d["ridge_value"] = lf.ridge_value;
+    py::list steps;
+    for (const SelectionStep& st : lf.selection) {
+      py::dict e;
+      e["source_layer"] = st.source_layer;
+      e["r2_key"] = st.r2_key;
+      e["r2_value"] = st.r2_value;
+      e["screen"] = st.screen;
+      e["accepted"] = st.accepted;
+      steps.append(e);
+    }
+    d["selection"] = steps;
     layers.append(d);
   }
   py::dict d;
@@ -754,7 +765,9 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("ridge_grid", &FitOptions::ridge_grid)
       .def_readwrite("holdout", &FitOptions::holdout)
       .def_readwrite("seed", &FitOptions::seed)
-      .def_readwrite("max_memory_bytes", &FitOptions::max_memory_bytes);
+      .def_readwrite("max_memory_bytes", &FitOptions::max_memory_bytes)
+      .def_readwrite("min_gain", &FitOptions::min_gain)
+      .def_readwrite("exact_candidates", &FitOptions::exact_candidates);
 
   // Shared: a Bridge holds the adapters registered with it.
   py::class_<LinearAdapter, std::shared_ptr<LinearAdapter>>(m, "LinearAdapter")
@@ -823,7 +836,20 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("pass_index", &AdapterFitter::pass)
       .def("next_pass", &AdapterFitter::next_pass, py::call_guard<py::gil_scoped_release>())
       .def("candidate_layers", &AdapterFitter::candidate_layers)
-      .def("fit", &AdapterFitter::fit, py::call_guard<py::gil_scoped_release>());
+      .def(
+          "fit",
+          [](const AdapterFitter& f, const py::object& progress) {
+            // Called from fit()'s threads with the GIL released: each call takes it.
+            FitProgressCallback callback;
+            if (!progress.is_none())
+              callback = [&progress](const FitProgress& p) {
+                py::gil_scoped_acquire gil;
+                progress(p.done, p.total, p.target_layer, p.source_layers);
+              };
+            py::gil_scoped_release release;
+            return f.fit(callback);
+          },
+          py::arg("progress") = py::none());
 
   m.def(
       "align",

@@ -193,8 +193,18 @@ std::map<std::string, std::string> file_metadata(const LinearAdapter::Impl& a) {
   for (int64_t j = 0; j < a.target.num_layers; ++j) {
     layers.push_back(a.layers[static_cast<size_t>(j)]);
     const LayerFit& lf = a.report.layers[static_cast<size_t>(j)];
-    report.push_back({{"r2_key", lf.r2_key}, {"r2_value", lf.r2_value},
-                      {"ridge_key", lf.ridge_key}, {"ridge_value", lf.ridge_value}});
+    json entry = {{"r2_key", lf.r2_key}, {"r2_value", lf.r2_value},
+                  {"ridge_key", lf.ridge_key}, {"ridge_value", lf.ridge_value}};
+    // kAuto's steps, only where there are any: files of other fits stay byte for byte as before.
+    if (!lf.selection.empty()) {
+      json steps = json::array();
+      for (const SelectionStep& st : lf.selection)
+        steps.push_back({{"source_layer", st.source_layer}, {"r2_key", st.r2_key},
+                         {"r2_value", st.r2_value}, {"screen", st.screen},
+                         {"accepted", st.accepted}});
+      entry["selection"] = std::move(steps);
+    }
+    report.push_back(std::move(entry));
   }
   const json fit = {{"layers", report},
                     {"train_tokens", a.report.train_tokens},
@@ -265,6 +275,37 @@ LayerFit report_layer(const json& j, size_t layer) {
                                                     << ", not a finite ridge >= 0");
   }
   return lf;
+}
+
+// kAuto's selection steps of one report layer (optional: files before them have none).
+std::vector<SelectionStep> report_selection(const json& j, size_t layer, int64_t source_layers) {
+  std::vector<SelectionStep> out;
+  const auto it = j.find("selection");
+  if (it == j.end()) return out;
+  KVB_CHECK_AS(Corrupt, it->is_array(),
+               "adapter file: fit_report.layers[" << layer << "].selection is not a list");
+  for (const json& e : *it) {
+    SelectionStep st;
+    const auto l = e.is_object() ? e.find("source_layer") : e.end();
+    const auto acc = e.is_object() ? e.find("accepted") : e.end();
+    KVB_CHECK_AS(Corrupt,
+                 l != e.end() && l->is_number_integer() && l->get<int64_t>() >= 0 &&
+                     l->get<int64_t>() < source_layers && acc != e.end() && acc->is_boolean(),
+                 "adapter file: fit_report.layers[" << layer
+                                                    << "].selection holds a malformed step");
+    st.source_layer = l->get<int64_t>();
+    st.accepted = acc->get<bool>();
+    for (auto [key, out_value] : {std::pair<const char*, double*>{"r2_key", &st.r2_key},
+                                  {"r2_value", &st.r2_value},
+                                  {"screen", &st.screen}}) {
+      *out_value = report_number(e, key, layer);
+      KVB_CHECK_AS(Corrupt, std::isfinite(*out_value) && *out_value <= 1,
+                   "adapter file: fit_report.layers[" << layer << "].selection: " << key << " is "
+                                                      << *out_value << ", not a finite R² <= 1");
+    }
+    out.push_back(st);
+  }
+  return out;
 }
 
 }  // namespace
@@ -373,6 +414,7 @@ LinearAdapter LinearAdapter::load(const std::string& path, const AdapterLoadOpti
       KVB_CHECK_AS(Corrupt, fit_layers[j].is_object(),
                    "adapter file: fit_report.layers[" << j << "] is not an object");
       LayerFit lf = report_layer(fit_layers[j], j);
+      lf.selection = report_selection(fit_layers[j], j, a->source.num_layers);
       lf.source_layers = S;
       a->report.layers.push_back(lf);
       a->layers.push_back(std::move(S));

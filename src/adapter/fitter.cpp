@@ -1,5 +1,7 @@
 #include <Eigen/Dense>
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <exception>
 #include <functional>
@@ -61,35 +63,49 @@ struct MapFit {
 };
 
 // What ridge fits of any output need from one feature set: the eigenbasis of the training
-// covariance and the held-out covariance in that basis. One eigendecomposition serves every
+// covariance and the held-out covariance in that basis, both of the standardised features (each
+// feature divided by its sd entry: every source layer scaled to mean variance 1, so that ridge
+// strengths are relative to each layer's own variance). One eigendecomposition serves every
 // ridge strength and every output: W(r) = Q diag(1 / (lambda + r)) Q^T G.
 struct RidgeBasis {
   double n = 0, nh = 0;  // training / held-out token counts
-  VecD mu, sxh;          // training mean, held-out sum [F]
+  VecD mu, sxh;          // training mean, held-out sum [F] (of the features as they are)
+  VecD sd;               // per feature: the divisor that standardises it [F]
   MatD Qt;               // eigenvectors as rows [F, F] (Q^T)
   VecD lambda;           // eigenvalues, clamped at 0
-  double scale = 1;      // mean feature variance: ridge strengths are relative to it
   MatD M;                // Q^T covh Q, covh the held-out scatter about the training mean
 };
+
+// A source layer's divisor: the square root of its mean feature variance, floored relative to
+// the mean raw second moment so that a constant layer does not blow up rounding noise.
+double layer_sd(double n, const VecD& sx, double raw_trace) {
+  const double f = static_cast<double>(sx.size());
+  const double second = raw_trace / n / f;
+  const double var = second - (sx / n).squaredNorm() / f;
+  return std::sqrt(std::max({var, 1e-14 * second, 1e-300}));
+}
 
 // xx and xxh are raw sums over tokens of x x^T (full symmetric), sx and sxh of x. Consumes xx
 // and xxh (their storage is reused).
 RidgeBasis make_basis(double n, const VecD& sx, MatD&& xx, double nh, const VecD& sxh,
-                      MatD&& xxh) {
+                      MatD&& xxh, const VecD& sd) {
   RidgeBasis b;
   const int64_t F = sx.size();
   b.n = n;
   b.nh = nh;
   b.mu = sx / n;
   b.sxh = sxh;
+  b.sd = sd;
   MatD& cov = xx;
   cov /= n;
   cov.noalias() -= b.mu * b.mu.transpose();
-  b.scale = std::max(cov.trace() / static_cast<double>(F), 1e-300);
   MatD& covh = xxh;
   covh.noalias() -= b.mu * sxh.transpose();
   covh.noalias() -= sxh * b.mu.transpose();
   covh.noalias() += nh * b.mu * b.mu.transpose();
+  const VecD inv = sd.cwiseInverse();
+  cov = inv.asDiagonal() * cov * inv.asDiagonal();
+  covh = inv.asDiagonal() * covh * inv.asDiagonal();
   std::vector<double> w;
   detail::lapack::syevd(F, cov.data(), w);
   b.Qt = std::move(cov);
@@ -102,37 +118,29 @@ RidgeBasis make_basis(double n, const VecD& sx, MatD&& xx, double nh, const VecD
   return b;
 }
 
-// Held-out scores of `maps` ridge maps of `width` outputs each on one basis: sy [maps * width]
-// and xy [F, maps * width] are raw training sums, syh, xyh and yyh [maps] (sums of squares)
-// held-out ones; map k owns columns [k * width, (k + 1) * width). Every ridge in `grid` is
-// scored by held-out R² in closed form; keeps what solve_maps needs for the best one's weights.
+// Held-out scores of ridge maps on one basis, every ridge in `grid` by held-out R² in closed
+// form. Map k owns columns [k * width, (k + 1) * width) of the centred, standardised training
+// cross-covariance g [F, maps * width] and held-out cross-scatter dh (about the training means);
+// e[k] is its held-out sum of squares about the prediction without features and sst[k] the one
+// about the held-out mean. Keeps what solve_maps needs for the best one's weights.
 struct MapScores {
   VecD mu_y;  // training mean of the outputs
-  MatD P;     // Q^T G [F, maps * width], G the training cross-covariance
+  MatD P;     // Q^T G [F, maps * width], G the standardised training cross-covariance
   std::vector<MapFit> fits;
 };
 
-MapScores score_maps(const RidgeBasis& b, const VecD& sy, const MatD& xy, const VecD& syh,
-                     const MatD& xyh, const VecD& yyh, int64_t width,
-                     const std::vector<double>& grid) {
-  const int64_t F = b.mu.size(), C = xy.cols(), maps = C / width,
+MapScores score_centered(const RidgeBasis& b, const MatD& g, const MatD& dh, const VecD& e,
+                         const VecD& sst, int64_t width, const std::vector<double>& grid) {
+  const int64_t F = b.Qt.rows(), C = g.cols(), maps = C / width,
                 A = static_cast<int64_t>(grid.size());
   MapScores s;
-  s.mu_y = sy / b.n;
-  MatD g = xy / b.n;
-  g.noalias() -= b.mu * s.mu_y.transpose();
   s.P.resize(F, C);
   detail::lapack::gemm(false, false, F, C, F, 1, b.Qt.data(), F, g.data(), C, 0, s.P.data(), C);
-  MatD& dh = g;  // held-out cross-scatter about the training means
-  dh = xyh;
-  dh.noalias() -= b.mu * syh.transpose();
-  dh.noalias() -= b.sxh * s.mu_y.transpose();
-  dh.noalias() += b.nh * b.mu * s.mu_y.transpose();
   MatD qdh(F, C);
   detail::lapack::gemm(false, false, F, C, F, 1, b.Qt.data(), F, dh.data(), C, 0, qdh.data(), C);
-  MatD d(F, A);  // d(i, a) = 1 / (lambda_i + grid[a] * scale)
+  MatD d(F, A);  // d(i, a) = 1 / (lambda_i + grid[a])
   for (int64_t a = 0; a < A; ++a)
-    d.col(a) = (b.lambda.array() + grid[static_cast<size_t>(a)] * b.scale).inverse();
+    d.col(a) = (b.lambda.array() + grid[static_cast<size_t>(a)]).inverse();
   MatD h(F, F), hd(F, A);
   for (int64_t k = 0; k < maps; ++k) {
     const auto pk = s.P.middleCols(k * width, width);
@@ -144,15 +152,11 @@ MapScores score_maps(const RidgeBasis& b, const VecD& sy, const MatD& xy, const 
       for (int64_t c = i + 1; c < F; ++c) h(c, i) = h(i, c) *= b.M(i, c);
     }
     detail::lapack::gemm(false, false, F, A, F, 1, h.data(), F, d.data(), A, 0, hd.data(), A);
-    const auto mu_k = s.mu_y.segment(k * width, width);
-    const auto syh_k = syh.segment(k * width, width);
-    const double e = yyh[k] - 2 * mu_k.dot(syh_k) + b.nh * mu_k.squaredNorm();
-    const double sst = std::max(yyh[k] - syh_k.squaredNorm() / b.nh, 1e-300);
     MapFit best;
     for (int64_t a = 0; a < A; ++a) {
       // >= 0 but for rounding, which could otherwise give an R² above 1 (refused on load).
-      const double sse = std::max(e - 2 * d.col(a).dot(u) + d.col(a).dot(hd.col(a)), 0.0);
-      const double r2 = 1 - sse / sst;
+      const double sse = std::max(e[k] - 2 * d.col(a).dot(u) + d.col(a).dot(hd.col(a)), 0.0);
+      const double r2 = 1 - sse / sst[k];
       if (r2 > best.r2) {
         best.r2 = r2;
         best.ridge = grid[static_cast<size_t>(a)];
@@ -163,21 +167,101 @@ MapScores score_maps(const RidgeBasis& b, const VecD& sy, const MatD& xy, const 
   return s;
 }
 
-// The weights and biases of the scored maps at their chosen ridge strengths.
+// The held-out sums of squares of `maps` maps of `width` outputs about the training mean mu_y
+// (e) and about their own mean (sst), from the raw held-out sums syh and sums of squares yyh.
+void holdout_totals(const VecD& mu_y, const VecD& syh, const VecD& yyh, double nh,
+                    int64_t width, VecD& e, VecD& sst) {
+  const int64_t maps = yyh.size();
+  e.resize(maps);
+  sst.resize(maps);
+  for (int64_t k = 0; k < maps; ++k) {
+    const auto mu_k = mu_y.segment(k * width, width);
+    const auto syh_k = syh.segment(k * width, width);
+    e[k] = yyh[k] - 2 * mu_k.dot(syh_k) + nh * mu_k.squaredNorm();
+    sst[k] = std::max(yyh[k] - syh_k.squaredNorm() / nh, 1e-300);
+  }
+}
+
+// score_centered from raw sums: sy [maps * width] and xy [F, maps * width] training sums, syh,
+// xyh and yyh [maps] (sums of squares) held-out ones.
+MapScores score_maps(const RidgeBasis& b, const VecD& sy, const MatD& xy, const VecD& syh,
+                     const MatD& xyh, const VecD& yyh, int64_t width,
+                     const std::vector<double>& grid) {
+  const VecD mu_y = sy / b.n;
+  const VecD inv = b.sd.cwiseInverse();
+  MatD g = xy / b.n;
+  g.noalias() -= b.mu * mu_y.transpose();
+  g = inv.asDiagonal() * g;
+  MatD dh = xyh;  // held-out cross-scatter about the training means
+  dh.noalias() -= b.mu * syh.transpose();
+  dh.noalias() -= b.sxh * mu_y.transpose();
+  dh.noalias() += b.nh * b.mu * mu_y.transpose();
+  dh = inv.asDiagonal() * dh;
+  VecD e, sst;
+  holdout_totals(mu_y, syh, yyh, b.nh, width, e, sst);
+  MapScores s = score_centered(b, g, dh, e, sst, width, grid);
+  s.mu_y = mu_y;
+  return s;
+}
+
+// The weights and biases of the scored maps at their chosen ridge strengths, for the features as
+// they are (not standardised).
 void solve_maps(const RidgeBasis& b, MapScores& s, int64_t width) {
   const int64_t F = b.mu.size();
   MatD dp(F, width);
+  const VecD inv = b.sd.cwiseInverse();
   for (size_t k = 0; k < s.fits.size(); ++k) {
     MapFit& f = s.fits[k];
     const int64_t col = static_cast<int64_t>(k) * width;
-    dp = (b.lambda.array() + f.ridge * b.scale).inverse().matrix().asDiagonal() *
+    dp = (b.lambda.array() + f.ridge).inverse().matrix().asDiagonal() *
          s.P.middleCols(col, width);
     f.weights.resize(F, width);
     detail::lapack::gemm(true, false, F, width, F, 1, b.Qt.data(), F, dp.data(), width, 0,
                          f.weights.data(), width);
+    f.weights = inv.asDiagonal() * f.weights;
     f.bias = s.mu_y.segment(col, width) - f.weights.transpose() * b.mu;
   }
 }
+
+// fit()'s progress: work planned and done (1e9 flops, estimated) and the caller's callback, called
+// one at a time. A callback that throws stops the other threads at their next check().
+class Progress {
+ public:
+  struct Stopped {};
+  explicit Progress(const FitProgressCallback* callback) : callback_(callback) {}
+  void plan(double work) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    total_ += work;
+  }
+  // `work` finished; `dropped` planned work that will not be done after all.
+  void step(double work, double dropped, int64_t target_layer, int64_t source_layers) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ += work;
+    total_ = std::max(total_ - dropped, done_);
+    if (!callback_ || !*callback_ || error_) return;
+    try {
+      (*callback_)(FitProgress{done_, total_, target_layer, source_layers});
+    } catch (...) {
+      error_ = std::current_exception();
+      stopped_ = true;
+      throw Stopped();
+    }
+  }
+  void check() const {
+    if (stopped_) throw Stopped();
+  }
+  // After a failure: the callback's exception where one stopped the work.
+  void rethrow() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  const FitProgressCallback* callback_;
+  std::mutex mutex_;
+  double done_ = 0, total_ = 0;
+  std::atomic<bool> stopped_{false};
+  std::exception_ptr error_;
+};
 
 MatD symmetric_from_upper(const MatD& upper) { return upper.selfadjointView<Eigen::Upper>(); }
 
@@ -400,10 +484,25 @@ struct AdapterFitter::Impl {
     return g;
   }
 
-  RidgeBasis basis(const std::vector<int64_t>& S) const {
+  // The divisor that standardises each slot's features (layer_sd), from the training sums.
+  std::vector<double> slot_sd() const {
+    std::vector<double> sd(plan.slots.size());
+    for (size_t s = 0; s < sd.size(); ++s) {
+      const int64_t a = static_cast<int64_t>(s);
+      sd[s] = layer_sd(static_cast<double>(train.n), train.sx[s],
+                       train.xx[static_cast<size_t>(plan.block(a, a))].trace());
+    }
+    return sd;
+  }
+
+  RidgeBasis basis(const std::vector<int64_t>& S, const std::vector<double>& sd) const {
     SetSums g = gather(S);
+    const int64_t Fl = layer_features;
+    VecD d(static_cast<int64_t>(S.size()) * Fl);
+    for (size_t a = 0; a < S.size(); ++a)
+      d.segment(static_cast<int64_t>(a) * Fl, Fl).setConstant(sd[static_cast<size_t>(plan.slot(S[a]))]);
     return make_basis(static_cast<double>(train.n), g.sx, std::move(g.xx),
-                      static_cast<double>(held.n), g.sxh, std::move(g.xxh));
+                      static_cast<double>(held.n), g.sxh, std::move(g.xxh), d);
   }
 
   // Target layer j's K and V maps (columns [0, O) and [O, 2 O)) on the basis of layers S.
@@ -429,118 +528,531 @@ struct AdapterFitter::Impl {
     std::array<std::vector<float>, 2> weights, bias;
     double score = -std::numeric_limits<double>::infinity();  // mean held-out R² of K and V
     int64_t rank = -1;  // position among the trials it won against; -1: none yet
+    std::vector<SelectionStep> steps;  // kAuto's path to it
   };
 
-  // One selection round: trials[j] lists target layer j's candidate sets, in order of preference
-  // on ties. Every distinct set is factorised once (sets that several target layers try are
-  // shared); independent sets run on separate threads. Returns per target layer the trial with
-  // the best score (the first of equal ones), with its weights; rank -1 where it had none.
-  std::vector<Choice> best_of(const std::vector<std::vector<std::vector<int64_t>>>& trials) const {
-    std::map<std::vector<int64_t>, std::vector<std::pair<int64_t, int64_t>>> users;
-    for (size_t j = 0; j < trials.size(); ++j)
-      for (size_t i = 0; i < trials[j].size(); ++i)
-        users[trials[j][i]].emplace_back(static_cast<int64_t>(j), static_cast<int64_t>(i));
-    std::vector<const std::pair<const std::vector<int64_t>,
-                                std::vector<std::pair<int64_t, int64_t>>>*>
-        sets;
-    for (const auto& e : users) sets.push_back(&e);
-    std::vector<Choice> best(trials.size());
-    std::mutex mutex;
-    const auto order = [](double score) { return std::isnan(score) ? -HUGE_VAL : score; };
-    const auto beats = [&](int64_t j, double score, int64_t rank) {
-      const Choice& b = best[static_cast<size_t>(j)];
-      return b.rank < 0 || order(score) > order(b.score) ||
-             (order(score) == order(b.score) && rank < b.rank);
-    };
-    const auto consider = [&](const std::vector<int64_t>& S, const RidgeBasis& b, int64_t j,
-                              int64_t rank) {
+  static void keep_float(Choice& c, size_t kind, const MatD& weights, const VecD& bias) {
+    c.weights[kind].resize(static_cast<size_t>(weights.size()));
+    Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+        c.weights[kind].data(), weights.rows(), weights.cols()) = weights.cast<float>();
+    c.bias[kind].resize(static_cast<size_t>(bias.size()));
+    Eigen::Map<Eigen::VectorXf>(c.bias[kind].data(), bias.size()) = bias.cast<float>();
+  }
+
+  // kAll and kExplicit: each target layer's one set. Every distinct set is factorised once
+  // (sets that several target layers use are shared); independent sets run on separate threads.
+  std::vector<Choice> fit_sets(Progress& progress) const {
+    const int64_t Lt = target.num_layers, c = 2 * outputs;
+    const std::vector<double> sd = slot_sd();
+    std::map<std::vector<int64_t>, std::vector<int64_t>> users;
+    for (int64_t j = 0; j < Lt; ++j) users[plan.candidates[static_cast<size_t>(j)]].push_back(j);
+    std::vector<const std::pair<const std::vector<int64_t>, std::vector<int64_t>>*> sets;
+    for (const auto& e : users) {
+      sets.push_back(&e);
+      const double F = static_cast<double>(e.first.size() * layer_features);
+      progress.plan(1e-9 * (10 * F * F * F + static_cast<double>(e.second.size()) * 8 * F * F * c));
+    }
+    std::vector<Choice> out(static_cast<size_t>(Lt));
+    const auto consider = [&](const std::vector<int64_t>& S, const RidgeBasis& b, int64_t j) {
+      progress.check();
       MapScores s = score(j, S, b);
-      const double sc = 0.5 * (s.fits[0].r2 + s.fits[1].r2);
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!beats(j, sc, rank)) return;
-      }
       solve_maps(b, s, outputs);
-      Choice c;
-      c.layers = S;
-      c.score = sc;
-      c.rank = rank;
+      Choice& ch = out[static_cast<size_t>(j)];
+      ch.layers = S;
+      ch.score = 0.5 * (s.fits[0].r2 + s.fits[1].r2);
       for (size_t kind = 0; kind < 2; ++kind) {
         MapFit& f = s.fits[kind];
-        c.weights[kind].resize(static_cast<size_t>(f.weights.size()));
-        Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
-            c.weights[kind].data(), f.weights.rows(), f.weights.cols()) = f.weights.cast<float>();
-        c.bias[kind].resize(static_cast<size_t>(f.bias.size()));
-        Eigen::Map<Eigen::VectorXf>(c.bias[kind].data(), f.bias.size()) = f.bias.cast<float>();
+        keep_float(ch, kind, f.weights, f.bias);
         f.weights = MatD();
         f.bias = VecD();
-        c.fits[kind] = std::move(f);
+        ch.fits[kind] = std::move(f);
       }
-      std::lock_guard<std::mutex> lock(mutex);
-      if (beats(j, sc, rank)) best[static_cast<size_t>(j)] = std::move(c);
+      const double F = static_cast<double>(S.size() * layer_features);
+      progress.step(1e-9 * 8 * F * F * c, 0, j, static_cast<int64_t>(S.size()));
+    };
+    const auto factorise = [&](const std::vector<int64_t>& S) {
+      progress.check();
+      RidgeBasis b = basis(S, sd);
+      const double F = static_cast<double>(S.size() * layer_features);
+      progress.step(1e-9 * 10 * F * F * F, 0, -1, 0);
+      return b;
     };
     if (sets.size() == 1) {  // one factorisation on every thread, then its users in parallel
-      const RidgeBasis b = basis(sets[0]->first);
+      const RidgeBasis b = factorise(sets[0]->first);
       const auto& u = sets[0]->second;
       detail::parallel_for(static_cast<int64_t>(u.size()), [&](int64_t i) {
-        consider(sets[0]->first, b, u[static_cast<size_t>(i)].first,
-                 u[static_cast<size_t>(i)].second);
+        consider(sets[0]->first, b, u[static_cast<size_t>(i)]);
       });
     } else {
       detail::parallel_for(static_cast<int64_t>(sets.size()), [&](int64_t i) {
         const auto& [S, u] = *sets[static_cast<size_t>(i)];
-        const RidgeBasis b = basis(S);
-        for (const auto& [j, rank] : u) consider(S, b, j, rank);
+        const RidgeBasis b = factorise(S);
+        for (int64_t j : u) consider(S, b, j);
       });
     }
-    return best;
+    return out;
   }
 
-  // The layers and maps fit() uses for every target layer.
-  std::vector<Choice> select() const {
+  // ---- kAuto: greedy forward selection per target layer ----
+  //
+  // All in standardised features (each slot's divided by its sd). Per slot: its covariance C,
+  // held-out scatter Mh and eigenbasis. Per target layer: first the exact single-layer fit of
+  // every candidate (from the slot's eigenbasis, every ridge strength at once), then rounds of
+  // (1) a screen of every remaining candidate: the held-out R² of fitting the current maps'
+  // training residual with that layer alone (a stagewise fit, from the slot's eigenbasis and
+  // the residual's cross-covariances, O(f n c) per candidate); (2) an exact fit of the set with
+  // each of the best `exact_candidates` by the screen, at every ridge strength, appended to
+  // Cholesky factors of C_S + r I kept per strength (RidgePath): O(n^2 (f + 3c)) per strength.
+  // The best exact one is added if it gains at least min_gain.
+
+  struct SlotStats {
+    double sd = 1;
+    VecD mu, sxh;  // training mean and held-out sum of the raw features [f]
+    MatD C, Mh;    // standardised training covariance and held-out scatter [f, f]
+    RidgeBasis basis;
+  };
+
+  std::vector<SlotStats> slot_stats(const std::vector<double>& sd) const {
+    const int64_t Fl = layer_features;
+    std::vector<SlotStats> out(plan.slots.size());
+    detail::parallel_for(static_cast<int64_t>(out.size()), [&](int64_t s) {
+      SlotStats& st = out[static_cast<size_t>(s)];
+      const size_t k = static_cast<size_t>(plan.block(s, s));
+      const double n = static_cast<double>(train.n), nh = static_cast<double>(held.n);
+      st.sd = sd[static_cast<size_t>(s)];
+      st.mu = train.sx[static_cast<size_t>(s)] / n;
+      st.sxh = held.sx[static_cast<size_t>(s)];
+      st.basis = make_basis(n, train.sx[static_cast<size_t>(s)], symmetric_from_upper(train.xx[k]),
+                            nh, st.sxh, symmetric_from_upper(held.xx[k]),
+                            VecD::Constant(Fl, st.sd));
+      st.C = cross(s, s, false, st, st);
+      st.Mh = cross(s, s, true, st, st);
+    });
+    return out;
+  }
+
+  // Standardised training covariance (held false) or held-out scatter about the training means
+  // (held true) of slots a (rows) and b (columns), [f, f]; needs a's and b's mu, sxh and sd.
+  MatD cross(int64_t a, int64_t b, bool h, const SlotStats& sa, const SlotStats& sb) const {
+    const BlockMoments& m = h ? held : train;
+    const MatD& raw = m.xx[static_cast<size_t>(plan.block(a, b))];
+    MatD out = a == b ? symmetric_from_upper(raw) : (a < b ? raw : MatD(raw.transpose()));
+    if (!h) {
+      out /= static_cast<double>(train.n);
+      out.noalias() -= sa.mu * sb.mu.transpose();
+    } else {
+      out.noalias() -= sa.mu * sb.sxh.transpose();
+      out.noalias() -= sa.sxh * sb.mu.transpose();
+      out.noalias() += static_cast<double>(held.n) * sa.mu * sb.mu.transpose();
+    }
+    return out / (sa.sd * sb.sd);
+  }
+
+  // Target layer j's outputs against every candidate slot, standardised and centred.
+  struct TargetSums {
+    VecD mu_y;        // [c] training mean of the outputs (keys then values)
+    VecD e, sst;      // [2] held-out sums of squares about mu_y and about the held-out mean
+    std::vector<MatD> G, Dh;  // [candidate] -> [f, c] training cross-covariance, held-out
+                              // cross-scatter about the training means
+  };
+
+  TargetSums target_sums(int64_t j, const std::vector<SlotStats>& st) const {
+    const size_t jj = static_cast<size_t>(j);
+    const auto& C = plan.candidates[jj];
+    const double n = static_cast<double>(train.n), nh = static_cast<double>(held.n);
+    TargetSums t;
+    t.mu_y = train.sy[jj] / n;
+    holdout_totals(t.mu_y, held.sy[jj], Eigen::Vector2d(held.yy[jj][0], held.yy[jj][1]), nh,
+                   outputs, t.e, t.sst);
+    for (size_t ci = 0; ci < C.size(); ++ci) {
+      const SlotStats& s = st[static_cast<size_t>(plan.slot(C[ci]))];
+      MatD g = train.xy[jj][ci] / n;
+      g.noalias() -= s.mu * t.mu_y.transpose();
+      MatD dh = held.xy[jj][ci];
+      dh.noalias() -= s.mu * held.sy[jj].transpose();
+      dh.noalias() -= s.sxh * t.mu_y.transpose();
+      dh.noalias() += nh * s.mu * t.mu_y.transpose();
+      t.G.push_back(g / s.sd);
+      t.Dh.push_back(dh / s.sd);
+    }
+    return t;
+  }
+
+  // Exact ridge fits of one target layer's K and V maps, at every strength of the grid, on a
+  // sequence of slots (in the order added): per strength the Cholesky factor of C_S + r I, the
+  // weights and the held-out scatter times the weights, so that a slot is appended in
+  // O(n^2 (f + 3 c)) per strength.
+  struct RidgePath {
+    std::vector<int64_t> seq;  // slots
+    std::vector<int64_t> cand; // their indices among the target layer's candidates
+    int64_t n = 0;
+    MatD Mh;  // [n, n] held-out scatter
+    MatD Dh;  // [n, c] held-out cross-scatter
+    struct PerRidge {
+      bool ok = true;  // false once a factorisation failed: never chosen after
+      MatD L;          // [n, n], lower triangle
+      MatD W;          // [n, c]
+      MatD R;          // [n, c] Mh W
+      std::array<double, 2> sse{};
+    };
+    std::vector<PerRidge> ridge;
+  };
+
+  struct Extension {
+    int64_t slot = -1, cand = -1;
+    double screen = 0;
+    MatD Csl, Msl;  // [n, f]
+    struct PerRidge {
+      bool ok = false;
+      MatD Et, Lc, v, Av, Rs, Rl;  // L^-1 C_Sl [n, f]; chol of the Schur complement [f, f];
+                                   // the new layer's weights [f, c]; L^-T Et v [n, c]; the new
+                                   // R of the old rows [n, c] and of the new ones [f, c]
+      std::array<double, 2> sse{};
+    };
+    std::vector<PerRidge> ridge;
+    std::array<double, 2> r2{};
+    std::array<int64_t, 2> best{-1, -1};
+    double score = -HUGE_VAL;
+  };
+
+  // Best strength and R² per map of per-strength held-out SSEs.
+  template <class PerRidge>
+  void pick_best(const std::vector<PerRidge>& ridge, const VecD& sst, std::array<double, 2>& r2,
+                 std::array<int64_t, 2>& best, double& score) const {
+    for (int k = 0; k < 2; ++k) {
+      r2[static_cast<size_t>(k)] = -HUGE_VAL;
+      best[static_cast<size_t>(k)] = -1;
+      for (size_t a = 0; a < ridge.size(); ++a) {
+        if (!ridge[a].ok) continue;
+        const double v = 1 - ridge[a].sse[static_cast<size_t>(k)] / sst[k];
+        if (v > r2[static_cast<size_t>(k)]) {
+          r2[static_cast<size_t>(k)] = v;
+          best[static_cast<size_t>(k)] = static_cast<int64_t>(a);
+        }
+      }
+    }
+    score = 0.5 * (r2[0] + r2[1]);
+    if (std::isnan(score)) score = -HUGE_VAL;
+  }
+
+  Extension extend(const RidgePath& p, int64_t cand, int64_t slot, const std::vector<SlotStats>& st,
+                   const TargetSums& t) const {
+    namespace la = detail::lapack;
+    const int64_t n = p.n, f = layer_features, c = 2 * outputs, O = outputs;
+    const SlotStats& sl = st[static_cast<size_t>(slot)];
+    Extension x;
+    x.slot = slot;
+    x.cand = cand;
+    x.Csl.resize(n, f);
+    x.Msl.resize(n, f);
+    for (size_t i = 0; i < p.seq.size(); ++i) {
+      const int64_t m = p.seq[i];
+      x.Csl.middleRows(static_cast<int64_t>(i) * f, f) =
+          cross(m, slot, false, st[static_cast<size_t>(m)], sl);
+      x.Msl.middleRows(static_cast<int64_t>(i) * f, f) =
+          cross(m, slot, true, st[static_cast<size_t>(m)], sl);
+    }
+    const MatD& G = t.G[static_cast<size_t>(cand)];
+    const MatD& Dl = t.Dh[static_cast<size_t>(cand)];
+    x.ridge.resize(p.ridge.size());
+    for (size_t a = 0; a < p.ridge.size(); ++a) {
+      const auto& pr = p.ridge[a];
+      auto& e = x.ridge[a];
+      if (!pr.ok) continue;
+      e.Et = x.Csl;
+      if (n) la::trsm_lower(false, n, f, pr.L.data(), n, e.Et.data(), f);
+      e.Lc = sl.C;
+      e.Lc.diagonal().array() += options.ridge_grid[a];
+      if (n) la::syrk_upper(true, f, n, -1, e.Et.data(), f, 1, e.Lc.data(), f);
+      for (int64_t r = 1; r < f; ++r)
+        for (int64_t q = 0; q < r; ++q) e.Lc(r, q) = e.Lc(q, r);
+      if (!la::potrf_lower(f, e.Lc.data(), f)) {
+        e = Extension::PerRidge();
+        continue;
+      }
+      e.v = G;  // G_l - C_lS W = the Schur system's right-hand side
+      if (n) la::gemm(true, false, f, c, n, -1, x.Csl.data(), f, pr.W.data(), c, 1, e.v.data(), c);
+      la::trsm_lower(false, f, c, e.Lc.data(), f, e.v.data(), c);
+      la::trsm_lower(true, f, c, e.Lc.data(), f, e.v.data(), c);
+      e.Av.resize(n, c);
+      e.Rs = pr.R;
+      if (n) {
+        la::gemm(false, false, n, c, f, 1, e.Et.data(), f, e.v.data(), c, 0, e.Av.data(), c);
+        la::trsm_lower(true, n, c, pr.L.data(), n, e.Av.data(), c);
+        la::gemm(false, false, n, c, n, -1, p.Mh.data(), n, e.Av.data(), c, 1, e.Rs.data(), c);
+        la::gemm(false, false, n, c, f, 1, x.Msl.data(), f, e.v.data(), c, 1, e.Rs.data(), c);
+      }
+      e.Rl.resize(f, c);
+      la::gemm(false, false, f, c, f, 1, sl.Mh.data(), f, e.v.data(), c, 0, e.Rl.data(), c);
+      if (n) {
+        la::gemm(true, false, f, c, n, 1, x.Msl.data(), f, pr.W.data(), c, 1, e.Rl.data(), c);
+        la::gemm(true, false, f, c, n, -1, x.Msl.data(), f, e.Av.data(), c, 1, e.Rl.data(), c);
+      }
+      for (int k = 0; k < 2; ++k) {
+        const auto cols = [&](const auto& m) { return m.middleCols(k * O, O); };
+        double q = cols(e.v).cwiseProduct(cols(e.Rl)).sum();
+        double h = cols(e.v).cwiseProduct(cols(Dl)).sum();
+        if (n) {
+          q += (cols(pr.W) - cols(e.Av)).cwiseProduct(cols(e.Rs)).sum();
+          h += (cols(pr.W) - cols(e.Av)).cwiseProduct(cols(p.Dh)).sum();
+        }
+        e.sse[static_cast<size_t>(k)] = std::max(t.e[k] - 2 * h + q, 0.0);
+      }
+      e.ok = true;
+    }
+    pick_best(x.ridge, t.sst, x.r2, x.best, x.score);
+    return x;
+  }
+
+  void commit(RidgePath& p, Extension&& x, const std::vector<SlotStats>& st,
+              const TargetSums& t) const {
+    const int64_t n = p.n, f = layer_features, c = 2 * outputs, m = n + f;
+    for (size_t a = 0; a < p.ridge.size(); ++a) {
+      auto& pr = p.ridge[a];
+      auto& e = x.ridge[a];
+      if (!pr.ok || !e.ok) {
+        pr = RidgePath::PerRidge();
+        pr.ok = false;
+        continue;
+      }
+      MatD L = MatD::Zero(m, m);
+      L.topLeftCorner(n, n) = pr.L;
+      L.block(n, 0, f, n) = e.Et.transpose();
+      L.block(n, n, f, f) = e.Lc.triangularView<Eigen::Lower>();
+      pr.L = std::move(L);
+      MatD W(m, c), R(m, c);
+      W.topRows(n) = pr.W - e.Av;
+      W.bottomRows(f) = e.v;
+      R.topRows(n) = e.Rs;
+      R.bottomRows(f) = e.Rl;
+      pr.W = std::move(W);
+      pr.R = std::move(R);
+      pr.sse = e.sse;
+      e = Extension::PerRidge();
+    }
+    MatD Mh(m, m), Dh(m, c);
+    Mh.topLeftCorner(n, n) = p.Mh;
+    Mh.topRightCorner(n, f) = x.Msl;
+    Mh.bottomLeftCorner(f, n) = x.Msl.transpose();
+    Mh.bottomRightCorner(f, f) = st[static_cast<size_t>(x.slot)].Mh;
+    Dh.topRows(n) = p.Dh;
+    Dh.bottomRows(f) = t.Dh[static_cast<size_t>(x.cand)];
+    p.Mh = std::move(Mh);
+    p.Dh = std::move(Dh);
+    p.seq.push_back(x.slot);
+    p.cand.push_back(x.cand);
+    p.n = m;
+  }
+
+  // The screen: per remaining candidate, the held-out R² (mean of K and V) after fitting the
+  // path's training residual (at each map's best strength) with that layer alone.
+  double screen(const RidgePath& p, const std::array<int64_t, 2>& best, int64_t cand,
+                int64_t slot, const std::vector<SlotStats>& st, const TargetSums& t) const {
+    namespace la = detail::lapack;
+    const int64_t f = layer_features, c = 2 * outputs, O = outputs;
+    const SlotStats& sl = st[static_cast<size_t>(slot)];
+    // The path's weights for the raw features, map k's columns at its best strength.
+    MatD Wo(p.n, c);
+    VecD a = VecD::Zero(c), b = VecD::Zero(c);  // sum_i sxh_i^T Wo_i, sum_i mu_i^T Wo_i
+    for (int k = 0; k < 2; ++k)
+      Wo.middleCols(k * O, O) = p.ridge[static_cast<size_t>(best[static_cast<size_t>(k)])]
+                                    .W.middleCols(k * O, O);
+    MatD T = MatD::Zero(f, c), Th = MatD::Zero(f, c);
+    for (size_t i = 0; i < p.seq.size(); ++i) {
+      const int64_t m = p.seq[i];
+      const SlotStats& sm = st[static_cast<size_t>(m)];
+      auto Wi = Wo.middleRows(static_cast<int64_t>(i) * f, f);
+      Wi /= sm.sd;
+      a.noalias() += Wi.transpose() * sm.sxh;
+      b.noalias() += Wi.transpose() * sm.mu;
+      const size_t k = static_cast<size_t>(plan.block(slot, m));
+      const bool tr = slot > m;  // the block is X_m^T X_slot
+      la::gemm(tr, false, f, c, f, 1 / static_cast<double>(train.n), train.xx[k].data(), f,
+               Wo.data() + static_cast<int64_t>(i) * f * c, c, 1, T.data(), c);
+      la::gemm(tr, false, f, c, f, 1, held.xx[k].data(), f,
+               Wo.data() + static_cast<int64_t>(i) * f * c, c, 1, Th.data(), c);
+    }
+    T.noalias() -= sl.mu * b.transpose();
+    Th.noalias() -= sl.mu * a.transpose();
+    Th.noalias() -= sl.sxh * b.transpose();
+    Th.noalias() += static_cast<double>(held.n) * sl.mu * b.transpose();
+    const MatD g = t.G[static_cast<size_t>(cand)] - T / sl.sd;
+    const MatD dh = t.Dh[static_cast<size_t>(cand)] - Th / sl.sd;
+    const VecD e = Eigen::Vector2d(p.ridge[static_cast<size_t>(best[0])].sse[0],
+                                   p.ridge[static_cast<size_t>(best[1])].sse[1]);
+    const MapScores s = score_centered(sl.basis, g, dh, e, t.sst, O, options.ridge_grid);
+    const double v = 0.5 * (s.fits[0].r2 + s.fits[1].r2);
+    return std::isnan(v) ? -HUGE_VAL : v;
+  }
+
+  // Estimated work (1e9 flops) of the round that takes a target layer from k to k + 1 source
+  // layers with `left` candidates left.
+  double round_cost(int64_t k, int64_t left) const {
+    const double f = static_cast<double>(layer_features), c = 2.0 * outputs,
+                 n = static_cast<double>(k) * f, A = static_cast<double>(options.ridge_grid.size());
+    const double exact = A * (n * n * (f + 3 * c) + n * f * (f + 4 * c) + f * f * f / 3);
+    const double tries = static_cast<double>(exact_tries(k, left));
+    const double scr = k == 0 ? 0 : static_cast<double>(left) * (4 * n * f * c + 5 * f * f * c);
+    return 1e-9 * (tries * exact + scr);
+  }
+
+  // How many candidates the round from k source layers fits exactly, of `left` ranked: the first
+  // layer's ranking is exact already; exact_candidates while the set is small (the cheap rounds,
+  // whose choices shape the rest), one from half of max_source_layers on (each exact fit there
+  // costs as much as the first few rounds together).
+  int64_t exact_tries(int64_t k, int64_t left) const {
+    const int64_t n = k == 0 || 2 * k >= options.max_source_layers ? 1 : options.exact_candidates;
+    return std::min(n, left);
+  }
+  int64_t screen_keep() const { return std::max<int64_t>(8, 4 * options.exact_candidates); }
+  // How many candidates the round from k source layers ranks, of nc.
+  int64_t screened(int64_t k, int64_t nc) const {
+    return k <= 1 ? nc - k : std::max<int64_t>(std::min(nc - 2, screen_keep()) - (k - 2), 0);
+  }
+
+  Choice select_auto_one(int64_t j, const std::vector<SlotStats>& st, Progress& progress) const {
+    const size_t jj = static_cast<size_t>(j);
+    const auto& C = plan.candidates[jj];
+    const int64_t NC = static_cast<int64_t>(C.size());
+    const int64_t most = std::min(options.max_source_layers, NC);
+    const TargetSums t = target_sums(j, st);
+    RidgePath p;
+    p.ridge.resize(options.ridge_grid.size());
+    Choice out;
+    // The candidates the next round ranks: all of them for the first two layers, after that the
+    // best `keep` by the second layer's screen, less the layers taken since (a layer the screen
+    // ranked low rarely rises to the top as the set grows, and the screen is most of a round's
+    // cost where candidates are many).
+    std::vector<int64_t> pool(static_cast<size_t>(NC));
+    for (int64_t ci = 0; ci < NC; ++ci) pool[static_cast<size_t>(ci)] = ci;
+    const int64_t keep = screen_keep();
+    std::array<double, 2> r2{};
+    std::array<int64_t, 2> best{-1, -1};
+    double score = -HUGE_VAL;
+    int64_t k = 0;
+    for (; k < most; ++k) {
+      progress.check();
+      // Rank the remaining candidates: exactly for the first layer, by the screen after.
+      std::vector<std::pair<double, int64_t>> ranked;
+      for (int64_t ci : pool) {
+        const int64_t slot = plan.slot(C[static_cast<size_t>(ci)]);
+        double v;
+        if (k == 0) {
+          const SlotStats& s = st[static_cast<size_t>(slot)];
+          const MapScores ms = score_centered(s.basis, t.G[static_cast<size_t>(ci)],
+                                              t.Dh[static_cast<size_t>(ci)], t.e, t.sst, outputs,
+                                              options.ridge_grid);
+          v = 0.5 * (ms.fits[0].r2 + ms.fits[1].r2);
+          if (std::isnan(v)) v = -HUGE_VAL;
+        } else {
+          v = screen(p, best, ci, slot, st, t);
+        }
+        ranked.emplace_back(v, ci);
+      }
+      std::stable_sort(ranked.begin(), ranked.end(),
+                       [](const auto& x, const auto& y) { return x.first > y.first; });
+      const int64_t left = static_cast<int64_t>(ranked.size());
+      const int64_t tries = exact_tries(k, left);
+      std::optional<Extension> win;
+      std::vector<SelectionStep> round;
+      for (int64_t i = 0; i < tries; ++i) {
+        progress.check();
+        const int64_t ci = ranked[static_cast<size_t>(i)].second;
+        Extension x = extend(p, ci, plan.slot(C[static_cast<size_t>(ci)]), st, t);
+        x.screen = ranked[static_cast<size_t>(i)].first;
+        if (std::isfinite(x.r2[0]) && std::isfinite(x.r2[1]) && std::isfinite(x.screen)) {
+          SelectionStep s;
+          s.source_layer = C[static_cast<size_t>(ci)];
+          s.r2_key = x.r2[0];
+          s.r2_value = x.r2[1];
+          s.screen = x.screen;
+          round.push_back(s);
+        }
+        if (!win || x.score > win->score) win = std::move(x);
+      }
+      const bool take = win && std::isfinite(win->score) &&
+                        (k == 0 || win->score >= score + options.min_gain);
+      // The accepted step last among its round's.
+      if (take) {
+        auto it = std::find_if(round.begin(), round.end(), [&](const SelectionStep& s) {
+          return s.source_layer == C[static_cast<size_t>(win->cand)];
+        });
+        if (it != round.end()) {
+          it->accepted = true;
+          std::rotate(it, it + 1, round.end());
+        }
+      }
+      out.steps.insert(out.steps.end(), round.begin(), round.end());
+      const double cost = round_cost(k, left);
+      if (!take) {
+        double rest = 0;
+        for (int64_t r = k + 1; r < most; ++r) rest += round_cost(r, screened(r, NC));
+        progress.step(cost, rest, j, k);
+        break;
+      }
+      pool.clear();
+      for (const auto& [v, ci] : ranked)
+        if (ci != win->cand && (k == 0 || static_cast<int64_t>(pool.size()) < keep))
+          pool.push_back(ci);
+      if (k == 0) std::sort(pool.begin(), pool.end());
+      commit(p, std::move(*win), st, t);
+      pick_best(p.ridge, t.sst, r2, best, score);
+      progress.step(cost, 0, j, k + 1);
+    }
+    KVB_CHECK_AS(Unavailable, !p.seq.empty() && best[0] >= 0 && best[1] >= 0,
+                 "fit: no ridge strength gave a usable fit for target layer " << j);
+    // The maps at each one's best strength, rows from the order added to ascending layers.
+    const int64_t f = layer_features, O = outputs;
+    std::vector<size_t> order(p.seq.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return p.seq[x] < p.seq[y]; });
+    for (size_t i : order) out.layers.push_back(plan.slots[static_cast<size_t>(p.seq[i])]);
+    for (size_t kind = 0; kind < 2; ++kind) {
+      const MatD& Wk = p.ridge[static_cast<size_t>(best[kind])].W;
+      MatD w(p.n, O);
+      VecD bias = t.mu_y.segment(static_cast<int64_t>(kind) * O, O);
+      for (size_t r = 0; r < order.size(); ++r) {
+        const size_t i = order[r];
+        const SlotStats& s = st[static_cast<size_t>(p.seq[i])];
+        w.middleRows(static_cast<int64_t>(r) * f, f) =
+            Wk.block(static_cast<int64_t>(i) * f, static_cast<int64_t>(kind) * O, f, O) / s.sd;
+        bias.noalias() -= w.middleRows(static_cast<int64_t>(r) * f, f).transpose() * s.mu;
+      }
+      keep_float(out, kind, w, bias);
+      out.fits[kind].r2 = r2[kind];
+      out.fits[kind].ridge = options.ridge_grid[static_cast<size_t>(best[kind])];
+    }
+    out.score = score;
+    return out;
+  }
+
+  std::vector<Choice> select_auto(Progress& progress) const {
     const int64_t Lt = target.num_layers;
-    std::vector<std::vector<std::vector<int64_t>>> trials(static_cast<size_t>(Lt));
-    if (options.selection != FitOptions::Selection::kAuto) {
-      for (int64_t j = 0; j < Lt; ++j)
-        trials[static_cast<size_t>(j)] = {plan.candidates[static_cast<size_t>(j)]};
-      return best_of(trials);
+    const double f = static_cast<double>(layer_features), c = 2.0 * outputs;
+    const double slots = static_cast<double>(plan.slots.size());
+    const double prep = 1e-9 * slots * 14 * f * f * f;
+    progress.plan(prep);
+    for (int64_t j = 0; j < Lt; ++j) {
+      const int64_t NC = static_cast<int64_t>(plan.candidates[static_cast<size_t>(j)].size());
+      double first = 1e-9 * static_cast<double>(NC) * 5 * f * f * c;
+      for (int64_t k = 0; k < std::min(options.max_source_layers, NC); ++k)
+        first += round_cost(k, screened(k, NC));
+      progress.plan(first);
     }
-    // Greedy forward selection on held-out R², never on in-sample fit (which only rises), run
-    // for all target layers a round at a time so that shared sets are factorised once.
-    std::vector<Choice> chosen(static_cast<size_t>(Lt));
-    std::vector<bool> open(static_cast<size_t>(Lt), true);
-    for (;;) {
-      bool any = false;
-      for (int64_t j = 0; j < Lt; ++j) {
-        const size_t jj = static_cast<size_t>(j);
-        trials[jj].clear();
-        const auto& have = chosen[jj].layers;
-        if (!open[jj] || static_cast<int64_t>(have.size()) >= options.max_source_layers) {
-          open[jj] = false;
-          continue;
-        }
-        for (int64_t l : plan.candidates[jj]) {
-          if (std::find(have.begin(), have.end(), l) != have.end()) continue;
-          std::vector<int64_t> trial = have;
-          trial.insert(std::lower_bound(trial.begin(), trial.end(), l), l);
-          trials[jj].push_back(std::move(trial));
-        }
-        if (trials[jj].empty())
-          open[jj] = false;
-        else
-          any = true;
-      }
-      if (!any) break;
-      std::vector<Choice> best = best_of(trials);
-      for (size_t jj = 0; jj < trials.size(); ++jj) {
-        if (trials[jj].empty()) continue;
-        if (!chosen[jj].layers.empty() && best[jj].score < chosen[jj].score + 1e-4)
-          open[jj] = false;
-        else
-          chosen[jj] = std::move(best[jj]);
-      }
-    }
-    return chosen;
+    const std::vector<SlotStats> st = slot_stats(slot_sd());
+    progress.step(prep, 0, -1, 0);
+    std::vector<Choice> out(static_cast<size_t>(Lt));
+    detail::parallel_for(Lt, [&](int64_t j) {
+      const int64_t NC = static_cast<int64_t>(plan.candidates[static_cast<size_t>(j)].size());
+      progress.step(1e-9 * static_cast<double>(NC) * 5 * f * f * c, 0, j, 0);
+      out[static_cast<size_t>(j)] = select_auto_one(j, st, progress);
+    });
+    return out;
+  }
+
+  std::vector<Choice> select(Progress& progress) const {
+    return options.selection == FitOptions::Selection::kAuto ? select_auto(progress)
+                                                             : fit_sets(progress);
   }
 
   // Held-out R² (mean of K and V, on the sketched outputs) of every source layer alone for
@@ -551,10 +1063,13 @@ struct AdapterFitter::Impl {
                                            std::vector<double>(static_cast<size_t>(Ls)));
     detail::parallel_for(Ls, [&](int64_t l) {
       const size_t ll = static_cast<size_t>(l);
+      const double sd = layer_sd(static_cast<double>(probe_train.n), probe_train.sx[ll],
+                                 probe_train.xx[ll].trace());
       const RidgeBasis b = make_basis(
           static_cast<double>(probe_train.n), probe_train.sx[ll],
           symmetric_from_upper(probe_train.xx[ll]), static_cast<double>(probe_held.n),
-          probe_held.sx[ll], symmetric_from_upper(probe_held.xx[ll]));
+          probe_held.sx[ll], symmetric_from_upper(probe_held.xx[ll]),
+          VecD::Constant(layer_features, sd));
       const MapScores s = score_maps(b, probe_train.sz, probe_train.xz[ll], probe_held.sz,
                                      probe_held.xz[ll], probe_held.zz, sketch_width,
                                      options.ridge_grid);
@@ -579,6 +1094,9 @@ AdapterFitter::AdapterFitter(const ModelSpec& source, const ModelSpec& target,
     KVB_CHECK(std::isfinite(r) && r > 0, "ridge values must be finite and > 0, got " << r);
   KVB_CHECK(options.max_source_layers >= 1,
             "max_source_layers must be >= 1, got " << options.max_source_layers);
+  KVB_CHECK(options.exact_candidates >= 1,
+            "exact_candidates must be >= 1, got " << options.exact_candidates);
+  KVB_CHECK(std::isfinite(options.min_gain), "min_gain must be finite, got " << options.min_gain);
   Impl& m = *impl_;
   m.source = source;
   m.target = target;
@@ -912,7 +1430,9 @@ void AdapterFitter::next_pass() {
   m.pass = 1;
 }
 
-LinearAdapter AdapterFitter::fit() const {
+LinearAdapter AdapterFitter::fit() const { return fit(FitProgressCallback()); }
+
+LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
   const Impl& m = *impl_;
   KVB_CHECK(!m.probing(),
             "fit: the fitter is in its probe pass (pass 1 of 2, which selects candidate source "
@@ -930,7 +1450,14 @@ LinearAdapter AdapterFitter::fit() const {
   out->report.rope_aware = m.options.rope_aware;
   out->report.alignment_policy = m.options.alignment_policy;
   m.sync_from_device();
-  std::vector<Impl::Choice> chosen = m.select();
+  Progress tracker(&progress);
+  std::vector<Impl::Choice> chosen;
+  try {
+    chosen = m.select(tracker);
+  } catch (...) {
+    tracker.rethrow();
+    throw;
+  }
   for (Impl::Choice& c : chosen) {
     out->layers.push_back(c.layers);
     LayerFit lf;
@@ -939,6 +1466,7 @@ LinearAdapter AdapterFitter::fit() const {
     lf.r2_value = c.fits[1].r2;
     lf.ridge_key = c.fits[0].ridge;
     lf.ridge_value = c.fits[1].ridge;
+    lf.selection = std::move(c.steps);
     out->report.layers.push_back(lf);
     out->weights.push_back(std::move(c.weights));
     out->bias.push_back(std::move(c.bias));

@@ -14,6 +14,10 @@ void dsyrk_(const char* uplo, const char* trans, const int* n, const int* k, con
             const double* a, const int* lda, const double* beta, double* c, const int* ldc);
 void dsyevd_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda,
              double* w, double* work, const int* lwork, int* iwork, const int* liwork, int* info);
+void dpotrf_(const char* uplo, const int* n, double* a, const int* lda, int* info);
+void dtrsm_(const char* side, const char* uplo, const char* transa, const char* diag, const int* m,
+            const int* n, const double* alpha, const double* a, const int* lda, double* b,
+            const int* ldb);
 }
 
 namespace kvbridge::detail::lapack {
@@ -70,6 +74,26 @@ void syevd(int64_t n, double* a, std::vector<double>& w) {
   dsyevd_("V", "L", &N, a, &N, w.data(), work.data(), &lwork, iwork.data(), &liwork, &info);
   KVB_CHECK_AS(Unavailable, info == 0,
                "the eigendecomposition (dsyevd) of size " << n << " failed (info " << info << ")");
+}
+
+bool potrf_lower(int64_t n, double* a, int64_t lda) {
+  if (n == 0) return true;
+  // The row-major lower triangle is the column-major upper one: A = U^T U there, U = L^T.
+  const int N = to_int(n, "potrf size"), la = to_int(lda, "leading dimension");
+  int info = 0;
+  dpotrf_("U", &N, a, &la, &info);
+  KVB_CHECK_AS(Unavailable, info >= 0, "dpotrf: bad argument " << -info);
+  return info == 0;
+}
+
+void trsm_lower(bool trans, int64_t n, int64_t m, const double* l, int64_t ldl, double* b,
+                int64_t ldb) {
+  if (n == 0 || m == 0) return;
+  // Column-major, B^T [m, n] and U = L^T: L X = B is X^T U = B^T, L^T X = B is X^T U^T = B^T.
+  const int M = to_int(m, "trsm size"), N = to_int(n, "trsm size");
+  const int ll = to_int(ldl, "leading dimension"), lb = to_int(ldb, "leading dimension");
+  const double one = 1;
+  dtrsm_("R", "U", trans ? "T" : "N", "N", &M, &N, &one, l, &ll, b, &lb);
 }
 
 }  // namespace kvbridge::detail::lapack

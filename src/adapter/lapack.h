@@ -32,4 +32,16 @@ void syrk_upper(bool trans, int64_t n, int64_t k, double alpha, const double* a,
 /// converge.
 void syevd(int64_t n, double* a, std::vector<double>& w);
 
+/// Cholesky factor of the symmetric positive definite [n, n] matrix in `a` (row-major, row stride
+/// lda; only the lower triangle is read): on return the lower triangle holds L with A = L L^T
+/// (LAPACK dpotrf), the strict upper triangle is untouched. Returns false when A is not
+/// numerically positive definite.
+bool potrf_lower(int64_t n, double* a, int64_t lda);
+
+/// Solves op(L) X = B in place for X [n, m] (B row-major with row stride ldb), L the row-major
+/// lower-triangular [n, n] matrix at `l` (row stride ldl; its strict upper triangle is not read),
+/// op(L) = L^T when trans (LAPACK dtrsm).
+void trsm_lower(bool trans, int64_t n, int64_t m, const double* l, int64_t ldl, double* b,
+                int64_t ldb);
+
 }  // namespace kvbridge::detail::lapack

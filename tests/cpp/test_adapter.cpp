@@ -395,12 +395,109 @@ TEST(AdapterFitter, NaiveFitCannotFollowRope) {
   }
 }
 
-// The fitter's closed-form held-out selection and its LAPACK solve against a direct float64
-// ridge regression (LDLT per ridge strength, held-out residuals summed token by token), on
-// seeded random data with odd sizes. Samples go in one token at a time so that the test sees
-// which tokens the fitter holds out.
-TEST(AdapterFitter, MatchesDirectFloat64Ridge) {
+// Seeded random samples with odd sizes for comparisons with a direct float64 ridge regression:
+// features x [tokens, Ls * Fl] (every source layer's keys then values, no RoPE) and targets y
+// [tokens, Lt * 2 * W], target layer j a random dense map of source layers mixed[j] plus noise.
+// Samples go in one token at a time so that the test sees which tokens the fitter holds out.
+struct DirectRidgeData {
   using Mat = Eigen::MatrixXd;
+  int64_t Fl = 0, W = 0;
+  Mat x, y;
+  std::vector<int64_t> train, held;
+
+  DirectRidgeData(AdapterFitter& fitter, const ModelSpec& source, const ModelSpec& target,
+                  const std::vector<std::vector<int64_t>>& mixed, int64_t tokens, uint32_t seed) {
+    Fl = 2 * source.num_kv_heads * source.head_dim;
+    W = target.num_kv_heads * target.head_dim;
+    const int64_t Ls = source.num_layers, Lt = target.num_layers;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist;
+    Mat mix = Mat::Zero(Ls * Fl, Lt * 2 * W);
+    for (int64_t j = 0; j < Lt; ++j)
+      for (int64_t l : mixed[static_cast<size_t>(j)])
+        for (int64_t f = 0; f < Fl; ++f)
+          for (int64_t c = 0; c < 2 * W; ++c) mix(l * Fl + f, j * 2 * W + c) = 0.3 * dist(rng);
+    x.resize(tokens, Ls * Fl);
+    y.resize(tokens, Lt * 2 * W);
+    for (int64_t t = 0; t < tokens; ++t) {
+      FloatKV src(source, 1), tgt(target, 1);
+      for (auto& v : src.data) v = dist(rng) * 2.f + 0.5f;
+      for (int64_t i = 0; i < Ls * Fl; ++i) x(t, i) = src.data[static_cast<size_t>(i)];
+      for (int64_t i = 0; i < Lt * 2 * W; ++i) {
+        tgt.data[static_cast<size_t>(i)] =
+            static_cast<float>(x.row(t).dot(mix.col(i)) + 0.5 * dist(rng) + 1.0);
+        y(t, i) = tgt.data[static_cast<size_t>(i)];
+      }
+      const int64_t before = fitter.holdout_tokens();
+      fitter.add(src.view(), tgt.view(), t);
+      (fitter.holdout_tokens() > before ? held : train).push_back(t);
+    }
+  }
+
+  struct Fit {
+    double r2 = -HUGE_VAL, ridge = 0;
+    Mat w;  // [|S| Fl, W]
+  };
+  // The best ridge fit of target layer j's keys (kind 0) or values on source layers S (in that
+  // order), by held-out R² summed token by token; ridge strengths relative to each source
+  // layer's mean feature variance; LDLT per strength.
+  Fit direct(const std::vector<int64_t>& S, int64_t j, int kind,
+             const std::vector<double>& grid) const {
+    const int64_t F = static_cast<int64_t>(S.size()) * Fl;
+    auto features = [&](const std::vector<int64_t>& rows) {
+      Mat out(static_cast<int64_t>(rows.size()), F);
+      for (size_t a = 0; a < S.size(); ++a)
+        out.middleCols(static_cast<int64_t>(a) * Fl, Fl) = x(rows, Eigen::seqN(S[a] * Fl, Fl));
+      return out;
+    };
+    const Mat xt = features(train), xh = features(held);
+    const Eigen::RowVectorXd mu = xt.colwise().mean();
+    const Mat xc = xt.rowwise() - mu;
+    const Mat cov = xc.transpose() * xc / static_cast<double>(train.size());
+    Eigen::VectorXd scale(F);
+    for (int64_t a = 0; a < static_cast<int64_t>(S.size()); ++a)
+      scale.segment(a * Fl, Fl).setConstant(cov.block(a * Fl, a * Fl, Fl, Fl).trace() /
+                                            static_cast<double>(Fl));
+    const Mat yt = y(train, Eigen::seqN((2 * j + kind) * W, W));
+    const Mat yh = y(held, Eigen::seqN((2 * j + kind) * W, W));
+    const Eigen::RowVectorXd mu_y = yt.colwise().mean();
+    const Mat g = xc.transpose() * (yt.rowwise() - mu_y) / static_cast<double>(train.size());
+    const double sst = (yh.rowwise() - yh.colwise().mean()).squaredNorm();
+    Fit best;
+    for (double alpha : grid) {
+      const Mat a = cov + Mat((alpha * scale).asDiagonal());
+      const Mat w = a.ldlt().solve(g);
+      const Eigen::RowVectorXd b = mu_y - mu * w;
+      const double r2 = 1 - ((xh * w).rowwise() + b - yh).squaredNorm() / sst;
+      if (r2 > best.r2) best = {r2, alpha, w};
+    }
+    return best;
+  }
+
+  // The adapter's weights of target layer j (rows in ascending source layers) against `w`, rows
+  // in the order of S.
+  static double weight_error(const LinearAdapter& adapter, int64_t j, int kind,
+                             const std::vector<int64_t>& S, const Mat& w, int64_t Fl, int64_t W) {
+    std::vector<int64_t> sorted = S;
+    std::sort(sorted.begin(), sorted.end());
+    const std::vector<float>& got = adapter.weights(j, kind);
+    EXPECT_EQ(static_cast<int64_t>(got.size()), w.size());
+    double err = 0;
+    for (size_t r = 0; r < sorted.size(); ++r) {
+      const int64_t i = std::find(S.begin(), S.end(), sorted[r]) - S.begin();
+      for (int64_t f = 0; f < Fl; ++f)
+        for (int64_t c = 0; c < W; ++c)
+          err = std::max(err, std::abs(got[static_cast<size_t>(
+                                           (static_cast<int64_t>(r) * Fl + f) * W + c)] -
+                                       w(i * Fl + f, c)));
+    }
+    return err;
+  }
+};
+
+// The fitter's closed-form held-out selection and its LAPACK solve against a direct float64
+// ridge regression, on seeded random data with odd sizes.
+TEST(AdapterFitter, MatchesDirectFloat64Ridge) {
   const ModelSpec source = make_spec("src", 3, 3, 6, 10000.0, RopeStyle::kHalf);
   const ModelSpec target = make_spec("tgt", 2, 1, 10, 30000.0, RopeStyle::kInterleaved);
   FitOptions o;
@@ -410,79 +507,82 @@ TEST(AdapterFitter, MatchesDirectFloat64Ridge) {
   o.holdout = 0.3;
   o.seed = 5;
   AdapterFitter fitter(source, target, o);
-  const int64_t Fl = 2 * 3 * 6, W = 10, tokens = 211;
-  std::mt19937 rng(17);
-  std::normal_distribution<float> dist;
-  // Target layer j: a random dense map of its source layers' features, plus noise.
-  Mat mix = Mat::Zero(3 * Fl, 2 * 2 * W);
-  for (int64_t j = 0; j < 2; ++j)
-    for (int64_t l : o.source_layers[static_cast<size_t>(j)])
-      for (int64_t f = 0; f < Fl; ++f)
-        for (int64_t c = 0; c < 2 * W; ++c) mix(l * Fl + f, j * 2 * W + c) = 0.3 * dist(rng);
-  Mat x(tokens, 3 * Fl), y(tokens, 2 * 2 * W);
-  std::vector<bool> held(static_cast<size_t>(tokens));
-  for (int64_t t = 0; t < tokens; ++t) {
-    FloatKV src(source, 1), tgt(target, 1);
-    for (auto& v : src.data) v = dist(rng) * 2.f + 0.5f;
-    for (int64_t i = 0; i < 3 * Fl; ++i) x(t, i) = src.data[static_cast<size_t>(i)];
-    for (int64_t i = 0; i < 4 * W; ++i) {
-      tgt.data[static_cast<size_t>(i)] =
-          static_cast<float>(x.row(t).dot(mix.col(i)) + 0.5 * dist(rng) + 1.0);
-      y(t, i) = tgt.data[static_cast<size_t>(i)];
-    }
-    const int64_t before = fitter.holdout_tokens();
-    fitter.add(src.view(), tgt.view(), t);
-    held[static_cast<size_t>(t)] = fitter.holdout_tokens() > before;
-  }
+  const DirectRidgeData data(fitter, source, target, o.source_layers, 211, 17);
   const LinearAdapter adapter = fitter.fit();
   for (int64_t j = 0; j < 2; ++j) {
     const auto& S = o.source_layers[static_cast<size_t>(j)];
-    const int64_t F = static_cast<int64_t>(S.size()) * Fl;
-    std::vector<int64_t> tr, ho;
-    for (int64_t t = 0; t < tokens; ++t) (held[static_cast<size_t>(t)] ? ho : tr).push_back(t);
-    auto features = [&](const std::vector<int64_t>& rows) {
-      Mat out(static_cast<int64_t>(rows.size()), F);
-      for (size_t a = 0; a < S.size(); ++a)
-        out.middleCols(static_cast<int64_t>(a) * Fl, Fl) = x(rows, Eigen::seqN(S[a] * Fl, Fl));
-      return out;
-    };
-    const Mat xt = features(tr), xh = features(ho);
-    const Eigen::RowVectorXd mu = xt.colwise().mean();
-    const Mat xc = xt.rowwise() - mu;
-    const Mat cov = xc.transpose() * xc / static_cast<double>(tr.size());
-    const double scale = cov.trace() / static_cast<double>(F);
     const LayerFit& lf = adapter.report().layers[static_cast<size_t>(j)];
     EXPECT_EQ(lf.source_layers, S);
+    EXPECT_TRUE(lf.selection.empty());
     for (int kind = 0; kind < 2; ++kind) {
-      const Mat yt = y(tr, Eigen::seqN((2 * j + kind) * W, W));
-      const Mat yh = y(ho, Eigen::seqN((2 * j + kind) * W, W));
-      const Eigen::RowVectorXd mu_y = yt.colwise().mean();
-      const Mat g = xc.transpose() * (yt.rowwise() - mu_y) / static_cast<double>(tr.size());
-      const double sst = (yh.rowwise() - yh.colwise().mean()).squaredNorm();
-      double best_r2 = -HUGE_VAL, best_ridge = 0;
-      Mat best_w;
-      for (double alpha : o.ridge_grid) {
-        const Mat a = cov + alpha * scale * Mat::Identity(F, F);
-        const Mat w = a.ldlt().solve(g);
-        const Eigen::RowVectorXd b = mu_y - mu * w;
-        const double r2 = 1 - ((xh * w).rowwise() + b - yh).squaredNorm() / sst;
-        if (r2 > best_r2) {
-          best_r2 = r2;
-          best_ridge = alpha;
-          best_w = w;
+      const auto best = data.direct(S, j, kind, o.ridge_grid);
+      EXPECT_EQ(kind ? lf.ridge_value : lf.ridge_key, best.ridge) << "layer " << j;
+      EXPECT_NEAR(kind ? lf.r2_value : lf.r2_key, best.r2, 1e-9) << "layer " << j;
+      EXPECT_GT(best.r2, 0.5);  // a real fit, not a degenerate one
+      EXPECT_LT(DirectRidgeData::weight_error(adapter, j, kind, S, best.w, data.Fl, data.W),
+                1e-5 * std::max(1.0, best.w.cwiseAbs().maxCoeff()))
+          << "layer " << j;
+    }
+  }
+}
+
+// kAuto's selection: every step it reports (the held-out R² of the chosen layers so far with one
+// more, from Cholesky factors extended a layer at a time) and the final maps equal a direct
+// float64 ridge regression of that set, on seeded random data with odd sizes.
+TEST(AdapterFitter, AutoSelectionStepsMatchDirectFloat64Ridge) {
+  const ModelSpec source = make_spec("src", 5, 3, 6, 10000.0, RopeStyle::kHalf);
+  const ModelSpec target = make_spec("tgt", 2, 1, 14, 30000.0, RopeStyle::kInterleaved);
+  for (int64_t exact : {1, 2, 4}) {
+    FitOptions o;
+    o.rope_aware = false;
+    o.holdout = 0.3;
+    o.seed = 3;
+    o.max_source_layers = 4;
+    o.min_gain = -1e9;  // every step up to max_source_layers, so that there is a path to check
+    o.exact_candidates = exact;
+    AdapterFitter fitter(source, target, o);
+    const DirectRidgeData data(fitter, source, target, {{0, 3}, {1, 2, 4}}, 337, 23);
+    const LinearAdapter adapter = fitter.fit();
+    for (int64_t j = 0; j < 2; ++j) {
+      const LayerFit& lf = adapter.report().layers[static_cast<size_t>(j)];
+      ASSERT_EQ(lf.source_layers.size(), 4u);
+      std::vector<int64_t> chosen;  // in the order added
+      size_t accepted = 0, round_size = 0;
+      for (const SelectionStep& st : lf.selection) {
+        std::vector<int64_t> S = chosen;
+        S.push_back(st.source_layer);
+        for (int kind = 0; kind < 2; ++kind) {
+          const double r2 = data.direct(S, j, kind, o.ridge_grid).r2;
+          EXPECT_NEAR(kind ? st.r2_value : st.r2_key, r2, 1e-9 * std::max(1.0, std::abs(r2)))
+              << "exact " << exact << " layer " << j << " step " << st.source_layer;
+        }
+        ++round_size;
+        if (st.accepted) {
+          chosen = S;
+          ++accepted;
+          EXPECT_LE(round_size, accepted == 1 ? 1u : static_cast<size_t>(exact));
+          round_size = 0;
         }
       }
-      EXPECT_EQ(kind ? lf.ridge_value : lf.ridge_key, best_ridge) << "layer " << j;
-      EXPECT_NEAR(kind ? lf.r2_value : lf.r2_key, best_r2, 1e-9) << "layer " << j;
-      EXPECT_GT(best_r2, 0.5);  // a real fit, not a degenerate one
-      const std::vector<float>& got = adapter.weights(j, kind);
-      ASSERT_EQ(static_cast<int64_t>(got.size()), F * W);
-      double err = 0;
-      for (int64_t f = 0; f < F; ++f)
-        for (int64_t c = 0; c < W; ++c)
-          err = std::max(err, std::abs(got[static_cast<size_t>(f * W + c)] - best_w(f, c)));
-      EXPECT_LT(err, 1e-5 * std::max(1.0, best_w.cwiseAbs().maxCoeff())) << "layer " << j;
+      ASSERT_EQ(accepted, 4u);
+      std::vector<int64_t> sorted = chosen;
+      std::sort(sorted.begin(), sorted.end());
+      EXPECT_EQ(lf.source_layers, sorted);
+      for (int kind = 0; kind < 2; ++kind) {
+        const auto best = data.direct(chosen, j, kind, o.ridge_grid);
+        EXPECT_EQ(kind ? lf.ridge_value : lf.ridge_key, best.ridge);
+        EXPECT_NEAR(kind ? lf.r2_value : lf.r2_key, best.r2, 1e-9);
+        EXPECT_LT(DirectRidgeData::weight_error(adapter, j, kind, chosen, best.w, data.Fl, data.W),
+                  1e-5 * std::max(1.0, best.w.cwiseAbs().maxCoeff()));
+      }
     }
+    // The planted layers come first (each target layer's are its best predictors).
+    const auto& steps0 = adapter.report().layers[0].selection;
+    std::vector<int64_t> first;
+    for (const SelectionStep& st : steps0)
+      if (st.accepted && first.size() < 2) first.push_back(st.source_layer);
+    std::sort(first.begin(), first.end());
+    EXPECT_EQ(first, (std::vector<int64_t>{0, 3})) << "exact " << exact;
   }
 }
 

@@ -82,6 +82,41 @@ def test_fit_recovers_planted_map_through_rope(weights, source_layers):
         assert torch.allclose(v, v0, atol=2e-3, rtol=1e-3)
 
 
+def test_auto_fit_reports_progress_and_its_selection(weights, tmp_path):
+    fitter = kvbridge.AdapterFitter(SRC, TGT, source_layers="auto", exact_candidates=2)
+    for i in range(5):
+        src, tgt = planted_sample(weights, 89, 7 + 150 * i, seed=i)
+        fitter.add(src, tgt, start_pos=7 + 150 * i)
+    calls = []
+    adapter = fitter.fit(progress=lambda *a: calls.append(a))
+    assert calls
+    done = [c[0] for c in calls]
+    assert done == sorted(done) and all(c[0] <= c[1] + 1e-12 for c in calls)
+    assert calls[-1][0] == pytest.approx(calls[-1][1])  # stopped early: its plan shrank to done
+    assert {c[2] for c in calls} >= {0, 1, 2} and all(-1 <= c[2] < 3 for c in calls)
+    for layer in adapter.report["layers"]:
+        steps = layer["selection"]
+        taken = [s["source_layer"] for s in steps if s["accepted"]]
+        assert sorted(taken) == layer["source_layers"] == [0, 1]
+        # Taken in turn, each with the exact held-out R² of the set so far; the last is the set's.
+        last = [s for s in steps if s["accepted"]][-1]
+        assert (last["r2_key"], last["r2_value"]) == (layer["r2_key"], layer["r2_value"])
+        assert all(s["screen"] <= 1 and s["r2_key"] <= 1 for s in steps)
+    # The steps survive a save and load.
+    path = tmp_path / "auto.safetensors"
+    adapter.save(path)
+    assert kvbridge.LinearAdapter.load(path).report == adapter.report
+    # A tqdm bar, and a callback that raises stops fit().
+    assert fitter.fit(progress=True).report == adapter.report
+
+    def stop(*_):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        fitter.fit(progress=stop)
+    with pytest.raises(kvbridge.InvalidArgumentError):
+        kvbridge.AdapterFitter(SRC, TGT, exact_candidates=0)
+
+
 def test_naive_fit_fails_on_rotated_keys(weights):
     fitter = kvbridge.AdapterFitter(SRC, TGT, source_layers="all", rope_aware=False)
     for i in range(5):
