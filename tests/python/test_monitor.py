@@ -98,7 +98,7 @@ def test_bridge_levers_tail_and_exact_layers(pair, shipped):
     plain = bridge.load(pair.target.spec, ids)
     torch.testing.assert_close(plain.kv[0][0], conv[0][0], atol=1e-5, rtol=1e-5)
     with pytest.raises(kvbridge.InvalidArgumentError):
-        make_bridge(recompute_tail=-1)
+        make_bridge(recompute_tail=-2)
     with pytest.raises(TypeError):
         make_bridge(exact_layers=1.5)
 
