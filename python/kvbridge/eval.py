@@ -724,6 +724,10 @@ def int_at_least(lo: int):
     return parse
 
 
+#: --agreement-goal's default for a testbed module without SERVING_AGREEMENT_GOAL.
+DEFAULT_AGREEMENT_GOAL = 0.85
+
+
 def serving_record(results: Dict[str, Any], agreement_goal: float) -> Optional[Dict[str, Any]]:
     """The serving defaults (LinearAdapter.serving) of the results' measured tail levers (rows
     with exact_layers 0; prompt tokens: window minus continuation), or None when none was
@@ -778,7 +782,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agreement-goal", type=float, default=None,
                    help="the agreement the saved adapter's recorded recompute_tail must reach: "
                    "the least measured tail (levers with exact_layers 0) that does (default: "
-                   "testbed.SERVING_AGREEMENT_GOAL)")
+                   "testbed.SERVING_AGREEMENT_GOAL, else 0.85)")
     p.add_argument("--window-tokens", type=int_at_least(0), default=0)
     p.add_argument("--continuation-tokens", type=int_at_least(0), default=0)
     p.add_argument("--train-windows", type=int_at_least(1), default=EvalConfig.train_windows)
@@ -849,8 +853,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         if args.adapter:
             raise SystemExit("--save-adapter saves a fitted adapter; it cannot go with --adapter")
         best = results["best_variant"]
-        goal = (testbed.SERVING_AGREEMENT_GOAL if args.agreement_goal is None
-                else args.agreement_goal)
+        goal = (getattr(testbed, "SERVING_AGREEMENT_GOAL", DEFAULT_AGREEMENT_GOAL)
+                if args.agreement_goal is None else args.agreement_goal)
         serving = serving_record(results, goal)
         if serving is not None:
             adapters[best].serving = serving

@@ -207,3 +207,33 @@ def test_shipped_adapter_default_reproduces_bridge_options():
         assert d.tokens == o.tokens < z.tokens
         for (k, v), (k0, v0) in zip(d.kv, o.kv):
             assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_kvbridge_eval_saves_the_serving_record(tmp_path, monkeypatch):
+    import tiny_testbed
+    from kvbridge import eval as ev
+
+    tiny_testbed.install(monkeypatch)
+    path = tmp_path / "saved.safetensors"
+    results = ev.main(["--out", str(tmp_path / "out"), "--train-windows", "8",
+                       "--heldout-windows", "2", "--window-tokens", "40",
+                       "--continuation-tokens", "8", "--ttft-lengths", "32", "--ttft-repeats",
+                       "1", "--chunk-tokens", "8", "--variants", "rope_auto", "--quiet",
+                       "--tail-tokens", "0", "4", "8", "--exact-layers", "0", "1",
+                       "--agreement-goal", "0.5", "--save-adapter", str(path)])
+    rows = {r["recompute_tail"]: r for r in results["levers"]["rows"] if r["exact_layers"] == 0}
+    saved = kvbridge.LinearAdapter.load(path)
+    record = saved.serving
+    assert record == results["saved_adapter"]["serving"]
+    assert record["agreement_goal"] == 0.5
+    assert [p["recompute_tail"] for p in record["measured"]] == [0, 4, 8]  # exact_layers 0 only
+    for p in record["measured"]:
+        r = rows[p["recompute_tail"]]
+        assert p["agreement"] == pytest.approx(r["agreement"])
+        assert p["prompt_tokens"] == 32
+        assert p["computed_share"] == pytest.approx((p["recompute_tail"] + 1) / 32)
+    reached = [t for t in (0, 4, 8) if rows[t]["agreement"] >= 0.5]
+    assert record["recompute_tail"] == (reached[0] if reached else 8)
+    # A plain Bridge now serves it with that tail.
+    bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 20, chunk_tokens=8))
+    assert bridge.recompute_tail_for(saved) == record["recompute_tail"]
