@@ -9,6 +9,11 @@ to testbed-b's own next-token distributions on training windows the fit did not 
 held-out early stop) and the refined adapter is what is written. One thread (the default) makes
 both steps deterministic.
 
+The written adapter records its serving defaults (LinearAdapter.serving): the tail levers
+``--tails`` are scored on held-out windows as ``kvbridge eval`` scores them, and the least tail
+whose agreement reaches testbed.SERVING_AGREEMENT_GOAL is what a plain kvbridge.Bridge serves
+it with.
+
 Run it whenever the testbed weights change: the adapter's specs carry the weights' version
 fingerprint, and kvbridge.eval.load_adapter (used by the demo and `kvbridge eval --adapter`)
 refuses an adapter whose fingerprints differ from the loaded models'.
@@ -39,6 +44,8 @@ def main():
                    help="training windows for the refinement (after the fit's windows)")
     p.add_argument("--refine-lr", type=float, default=refine.RefineConfig.lr)
     p.add_argument("--seed", type=int, default=0, help="refinement seed")
+    p.add_argument("--tails", type=int, nargs="+", default=[0, 32, 64, 96],
+                   help="tail recompute lengths to measure for the serving defaults")
     p.add_argument("--threads", type=int, default=1,
                    help="torch and native threads (see kvbridge.eval.set_threads); 0: default")
     args = p.parse_args()
@@ -53,6 +60,11 @@ def main():
         adapter = result.adapter
         print(f"refined: validation KL by epoch "
               f"{[round(h['val_kl'], 6) for h in result.history]}, kept epoch {result.best_epoch}")
+    adapter.serving = kv_eval.measure_serving(pair, adapter, args.tails,
+                                              testbed.SERVING_AGREEMENT_GOAL)
+    adapter.save(args.out)
+    print(f"serving defaults: recompute_tail {adapter.serving['recompute_tail']} "
+          f"({adapter.serving['note']})")
     r2 = kv_eval.layer_r2(adapter)
     print(f"wrote {args.out}: {adapter.source.name} {adapter.source.version} -> "
           f"{adapter.target.name} {adapter.target.version}, {r2['train_tokens']} training "

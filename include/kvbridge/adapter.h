@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -92,6 +93,37 @@ struct AdapterLoadOptions {
   bool allow_unchecked = false;
 };
 
+/// One point of an adapter's measured tail-recompute curve (ServingDefaults::measured): held-out
+/// figures with the target computing the last recompute_tail + 1 prompt tokens itself over the
+/// converted prefix (DESIGN.md, "Definitions"). NaN for a figure that was not measured (JSON
+/// null in the file).
+struct ServingPoint {
+  int64_t recompute_tail = 0;  ///< r, >= 0
+  double kept = std::numeric_limits<double>::quiet_NaN();       ///< kept at r (finite, any sign)
+  double agreement = std::numeric_limits<double>::quiet_NaN();  ///< agreement at r, in [0, 1]
+  /// Share of the prompt the target computed itself, (r + 1) / prompt_tokens, in [0, 1].
+  double computed_share = std::numeric_limits<double>::quiet_NaN();
+  int64_t prompt_tokens = 0;  ///< prompt length the point was measured at (>= 0; 0: unknown)
+};
+
+/// How an adapter should be served, recorded from its held-out evaluation (kvbridge eval
+/// --save-adapter, the real-pair eval): the least tail recompute that reached an agreement goal,
+/// and the curve it was chosen from. Bridge uses recompute_tail for loads converted by the
+/// adapter unless BridgeOptions::recompute_tail says otherwise. Stored in the adapter file as the
+/// optional metadata key "serving" (docs/adapter_file.md): files without it load with nothing
+/// recorded. It is covered by the file's checksum but not by LinearAdapter::fingerprint(), which
+/// identifies the conversion (weights, specs, layer map, report): setting it changes no
+/// conversion and no provenance.
+struct ServingDefaults {
+  bool recorded = false;       ///< false: nothing recorded (the other fields are their defaults)
+  int64_t recompute_tail = 0;  ///< the tail to serve with, >= 0
+  /// The agreement the tail was chosen to reach, in [0, 1]; NaN when none was stated (a tail set
+  /// by hand).
+  double agreement_goal = std::numeric_limits<double>::quiet_NaN();
+  std::vector<ServingPoint> measured;  ///< the measured curve, in the order measured
+  std::string note;  ///< free text, e.g. why the tail is not the goal's (no point reached it)
+};
+
 class LinearAdapter {
  public:
   LinearAdapter(const LinearAdapter&) = delete;
@@ -103,6 +135,18 @@ class LinearAdapter {
   const ModelSpec& source() const noexcept;
   const ModelSpec& target() const noexcept;
   const FitReport& report() const noexcept;
+
+  /// The serving defaults recorded for this adapter (a copy; recorded == false when none are).
+  /// Thread-safe.
+  ServingDefaults serving() const;
+  /// Records serving defaults (the adapter's only mutable part; see ServingDefaults). A value
+  /// with recorded == false clears the record (its other fields are ignored); otherwise it is
+  /// stored as given. Thread-safe, also while a Bridge serves the adapter: loads that start
+  /// after it returns use the new tail. save() writes it; fingerprint() does not change.
+  /// Throws InvalidArgument, changing nothing, for a recompute_tail < 0, an agreement_goal
+  /// outside [0, 1] (NaN allowed), or a point with a negative tail or prompt_tokens, an infinite
+  /// kept, or an agreement or computed_share outside [0, 1] (NaN allowed).
+  void set_serving(const ServingDefaults& serving);
 
   /// Converts a source KV cache to the target's, on the CPU or on a CUDA device (the views'
   /// device decides). CUDA views use the legacy default stream; see the overload below.
@@ -193,8 +237,10 @@ class LinearAdapter {
 
   /// 32 lowercase hex digits identifying this adapter's content: the checksum save() writes
   /// (XXH3-128 over its metadata, which holds both ModelSpecs in their roles, the layer map and
-  /// the fit report, and over its weights; docs/adapter_file.md). Equal for an adapter and its
-  /// saved and reloaded copy; computed on first use (it hashes every weight once).
+  /// the fit report, and over its weights; docs/adapter_file.md), computed without the serving
+  /// defaults (so for an adapter with a serving record the file's checksum differs from it).
+  /// Equal for an adapter and its saved and reloaded copy, whatever serving defaults either
+  /// records; computed on first use (it hashes every weight once).
   std::string fingerprint() const;
 
   /// Writes the adapter as a safetensors file (atomically: temporary file, fsync, rename).
@@ -202,7 +248,9 @@ class LinearAdapter {
   /// "kvbridge.adapter", format_version "2", both ModelSpecs, the layer map, rope settings, the
   /// fit report (JSON strings) and "checksum" (fingerprint()). An adapter between tokenizers
   /// (report().alignment_policy not empty) is written as format_version "3" with the extra key
-  /// "alignment_policy" (both tokenizer ids are in the specs). Throws Unavailable on I/O failure.
+  /// "alignment_policy" (both tokenizer ids are in the specs). Recorded serving defaults add the
+  /// key "serving" (JSON; covered by the checksum), in any version. Throws Unavailable on I/O
+  /// failure.
   void save(const std::string& path) const;
   /// Reads and validates a file written by save (or by any safetensors writer with the same
   /// metadata strings and tensors: the checksum covers content, not the header's layout).
@@ -213,7 +261,9 @@ class LinearAdapter {
   /// options.allow_unchecked, unknown format or version, an alignment_policy that is not a
   /// policy name or that a version other than "3" carries (or a version "3" file without one), specs or layer map that do not parse,
   /// a fit report out of range (R² not finite or > 1, ridge not finite or < 0, negative token
-  /// counts), missing, extra or mis-shaped tensors, non-float32 dtypes, non-finite weights.
+  /// counts), missing, extra or mis-shaped tensors, non-float32 dtypes, non-finite weights, a
+  /// "serving" record that does not parse or is out of set_serving's ranges. A file without
+  /// "serving" loads with nothing recorded.
   static LinearAdapter load(const std::string& path, const AdapterLoadOptions& options = {});
 
   /// Raw parameters of target layer j: weights [features, kv_heads * head_dim] row-major and bias

@@ -20,11 +20,18 @@
 //    n - 1 tokens (a chunk-aligned prefix covering the whole prompt is trimmed by one token).
 //    Prompts of fewer than 2 tokens are misses.
 //
-//  - BridgeOptions::recompute_tail = r > 0 leaves r more prompt tokens to the target: a converted
-//    load holds at most n - 1 - r tokens (only tokens [p_T, min(p_S, n - 1 - r)) are converted
-//    and written back), so the target's own forward covers the prompt's last r + 1 tokens over the
-//    converted prefix. A converted candidate must still be strictly longer than the native one
-//    after that cut. Native-only loads are not cut (their KV is the target's own).
+//  - Tail recompute: a tail r > 0 leaves r more prompt tokens to the target: a converted
+//    candidate holds at most n - 1 - r tokens (only tokens [p_T, min(p_S, n - 1 - r)) are
+//    converted and written back), so the target's own forward covers the prompt's last r + 1
+//    tokens over the converted prefix. A converted candidate must still be strictly longer than
+//    the native one after that cut. r is per adapter (recompute_tail(adapter)): the adapter's
+//    recorded serving defaults (LinearAdapter::serving(), measured by its evaluation) unless
+//    BridgeOptions::recompute_tail >= 0 fixes it for every adapter. The target's own entries are
+//    never cut; a native prefix holding entries a conversion wrote back (their provenance names
+//    an adapter) is cut to max(its own-KV part, n - 1 - r), r the tail of the adapter the first
+//    such entry names (0 when that adapter is not registered here and no option fixes r), so a
+//    shorter prompt over a written-back prefix keeps the same promise. Load::recompute_tail()
+//    says which r a load applied.
 //
 // Quality of an adapter: the minimum held-out R² over every target layer's key and value maps in
 // its FitReport (one badly mapped layer is enough to spoil attention, so the mean would hide it).
@@ -90,7 +97,8 @@ namespace kvbridge {
 /// order, so aggregate initialisation keeps working), the Python keyword arguments with their
 /// defaults, the properties and their docstrings are produced from it; a new option is one row
 /// here (and its check in the Bridge constructor, src/bridge/bridge.cpp). Types are double,
-/// bool or int64_t; Python takes an int64_t option as a count (an int >= 0).
+/// bool or int64_t; Python takes an int64_t option as a count (an int >= 0), recompute_tail as
+/// an int >= -1.
 #define KVBRIDGE_BRIDGE_OPTIONS(X)                                                                \
   X(double, min_quality, 0.5,                                                                    \
     "Adapters whose quality (the minimum held-out R^2 over the target's layers) is below this "  \
@@ -99,10 +107,12 @@ namespace kvbridge {
     "the model pair.")                                                                           \
   X(bool, write_back, true, "Write a converted prefix back into the store as the target's own "  \
     "entry, so the next load of the same prompt is a native hit.")                               \
-  X(int64_t, recompute_tail, 0,                                                                  \
-    "Prompt tokens before the last one that a converted load leaves for the target to compute "  \
-    "itself over the converted prefix (a converted load holds at most n - 1 - recompute_tail "   \
-    "tokens; native prefixes are not cut); >= 0. 0 converts everything but the last token.")     \
+  X(int64_t, recompute_tail, -1,                                                                 \
+    "Prompt tokens before the last one that a load holding converted tokens leaves for the "     \
+    "target to compute itself over the converted prefix (it holds at most n - 1 - r tokens; the " \
+    "target's own entries are not cut). -1 (the default): each adapter's own recorded tail "     \
+    "(LinearAdapter::serving(), from its held-out evaluation; 0 when none is recorded). >= 0: "  \
+    "that tail for every adapter; 0 converts everything but the last token.")                    \
   X(double, min_agreement, 0.8,                                                                  \
     "Floor on an adapter's rolling top-1 agreement from record_check(); in [0, 1], or "          \
     "-infinity to never disable. Agreement is the share of compared positions where the "        \
@@ -233,6 +243,10 @@ class Load {
   /// target's own KV.
   const std::string& converted_from() const noexcept { return converted_from_; }
   const std::string& adapter() const noexcept { return adapter_; }
+  /// The tail recompute this load applied (Bridge::recompute_tail of the adapter that converted,
+  /// or that written-back entries name): the target computes the prompt's last r + 1 tokens
+  /// itself. 0 when every token is the target's own KV, and on a miss.
+  int64_t recompute_tail() const noexcept { return recompute_tail_; }
   explicit operator bool() const noexcept { return tokens_ > 0; }
 
   /// Copies the KV into `dst`: a CPU view with the target spec's layers, kv_heads, head_dim and
@@ -250,6 +264,7 @@ class Load {
   std::string source_;
   double quality_ = 0;
   std::string converted_from_, adapter_;
+  int64_t recompute_tail_ = 0;
 };
 
 /// One text's tokenization by one tokenizer: token ids with their UTF-8 byte spans in the text
@@ -267,8 +282,8 @@ using TokenizeText = std::function<bool(const std::string& tokenizer_id, Tokeniz
 
 class Bridge {
  public:
-  /// `store` is borrowed: it must outlive the Bridge. Throws InvalidArgument for a NaN
-  /// min_quality.
+  /// `store` is borrowed: it must outlive the Bridge. Throws InvalidArgument for an option out
+  /// of range (a NaN min_quality, a recompute_tail < -1, ...).
   explicit Bridge(KVStore& store, const BridgeOptions& options = {});
   ~Bridge();
   Bridge(const Bridge&) = delete;
@@ -297,6 +312,10 @@ class Bridge {
   std::vector<std::shared_ptr<const LinearAdapter>> adapters() const;
   /// min held-out R² over every target layer's K and V maps (-infinity for an empty report).
   static double quality(const LinearAdapter& adapter);
+  /// The tail recompute loads converted by `adapter` get (see the load policy above):
+  /// options().recompute_tail when >= 0, else the adapter's recorded serving tail
+  /// (adapter.serving().recompute_tail), else 0. The adapter need not be registered.
+  int64_t recompute_tail(const LinearAdapter& adapter) const;
 
   /// Records a quality check of the registered adapter with this fingerprint (see above) and
   /// returns true when this check disabled it. Throws InvalidArgument for a check out of range

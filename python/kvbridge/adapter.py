@@ -1,9 +1,10 @@
 """Linear adapters between two models' KV caches: fitting and conversion."""
 from __future__ import annotations
 
+import math
 import os
 
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -13,6 +14,46 @@ from kvbridge._tensors import (KVCache, check_kv, empty_kv, host_kv, is_cache_ob
 from kvbridge._core import InvalidArgumentError
 
 SourceLayers = Union[str, Sequence[Sequence[int]]]
+
+
+#: The fields of one measured point of LinearAdapter.serving.
+_POINT_KEYS = ("recompute_tail", "kept", "agreement", "computed_share", "prompt_tokens")
+
+
+def _known_keys(name: str, value: Mapping[str, Any], keys: Sequence[str]) -> None:
+    unknown = sorted(str(k) for k in value if k not in keys)
+    if unknown:
+        raise InvalidArgumentError(f"{name}: unknown key(s) {unknown}; expected {list(keys)}")
+
+
+def _figure(name: str, value: Any) -> float:
+    """A measured figure: a number, or None (not measured) as NaN."""
+    return math.nan if value is None else _args.number(name, value)
+
+
+def choose_serving(measured: Sequence[Mapping[str, Any]], agreement_goal: float,
+                   note: str = "") -> Dict[str, Any]:
+    """Serving defaults (LinearAdapter.serving) from a measured tail-recompute curve: the least
+    measured recompute_tail whose agreement reaches `agreement_goal`; when none does, the
+    largest measured tail, with a note saying so. measured: points as LinearAdapter.serving's
+    (recompute_tail required; kept, agreement, computed_share, prompt_tokens); `note` is
+    prepended to the record's note. Raises InvalidArgumentError for an empty curve."""
+    if not measured:
+        raise InvalidArgumentError("choose_serving: no measured points")
+    goal = _args.number("agreement_goal", agreement_goal)
+    points = sorted((dict(p) for p in measured), key=lambda p: int(p["recompute_tail"]))
+    reached = [p for p in points
+               if p.get("agreement") is not None and not math.isnan(p["agreement"])
+               and p["agreement"] >= goal]
+    if reached:
+        tail = int(reached[0]["recompute_tail"])
+        why = f"least measured tail with agreement >= {goal:g}"
+    else:
+        tail = int(points[-1]["recompute_tail"])
+        why = (f"no measured tail reached agreement {goal:g}: the largest measured one "
+               f"(measure longer tails, or serve this pair with care)")
+    return {"recompute_tail": tail, "agreement_goal": goal, "measured": points,
+            "note": f"{note}; {why}" if note else why}
 
 
 class LinearAdapter:
@@ -41,13 +82,68 @@ class LinearAdapter:
         return self._native.report["alignment_policy"]
 
     def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
-        """Writes the adapter as a safetensors file with JSON metadata (atomic)."""
+        """Writes the adapter as a safetensors file with JSON metadata (atomic), with its serving
+        defaults when it records any."""
         self._native.save(os.fspath(path))
 
     @property
     def fingerprint(self) -> str:
-        """32 hex digits identifying the adapter's content (the checksum its file carries)."""
+        """32 hex digits identifying the adapter's content (the checksum its file carries,
+        computed without the serving defaults: recording them keeps the fingerprint)."""
         return self._native.fingerprint
+
+    @property
+    def serving(self) -> Optional[Dict[str, Any]]:
+        """The serving defaults recorded from the adapter's held-out evaluation, or None.
+
+        ``{"recompute_tail": r, "agreement_goal": g or None, "measured": [{"recompute_tail",
+        "kept", "agreement", "computed_share", "prompt_tokens"}, ...], "note": str}``: the tail
+        recompute to serve with (the least measured tail whose agreement reached the goal), and
+        the curve it was chosen from (figures not measured are None; computed_share is the share
+        of the prompt the target computed itself, (r + 1) / prompt_tokens). kvbridge.Bridge uses
+        recompute_tail for loads this adapter converts unless its own recompute_tail option is
+        set (>= 0). Stored in the adapter file (key "serving", docs/adapter_file.md).
+
+        Assign a dict of that form to record new defaults (only "recompute_tail" is required;
+        "agreement_goal", "measured" and "note" default to None, [] and ""; each point needs its
+        "recompute_tail", the rest default to None), or None to clear them; save() then writes
+        them. Thread-safe, also while a Bridge serves the adapter (loads starting afterwards use
+        the new tail). Raises TypeError for a wrong type, kvbridge.InvalidArgumentError for an
+        unknown key or a value out of range (tails and prompt_tokens ints >= 0, agreement_goal,
+        agreement and computed_share in [0, 1], kept finite)."""
+        return self._native.serving
+
+    @serving.setter
+    def serving(self, value: Optional[Mapping[str, Any]]) -> None:
+        if value is None:
+            self._native.set_serving(False, 0, math.nan, [], "")
+            return
+        if not isinstance(value, Mapping):
+            raise TypeError(f"serving: expected a dict or None, got {type(value).__name__}")
+        _known_keys("serving", value, ("recompute_tail", "agreement_goal", "measured", "note"))
+        if "recompute_tail" not in value:
+            raise InvalidArgumentError("serving: 'recompute_tail' is required")
+        measured = value.get("measured") or []
+        if isinstance(measured, (str, bytes, Mapping)) or not isinstance(measured, Sequence):
+            raise TypeError(f"serving['measured']: expected a list of dicts, got "
+                            f"{type(measured).__name__}")
+        points = []
+        for i, point in enumerate(measured):
+            name = f"serving['measured'][{i}]"
+            if not isinstance(point, Mapping):
+                raise TypeError(f"{name}: expected a dict, got {type(point).__name__}")
+            _known_keys(name, point, _POINT_KEYS)
+            if "recompute_tail" not in point:
+                raise InvalidArgumentError(f"{name}: 'recompute_tail' is required")
+            points.append((_args.size(f"{name}['recompute_tail']", point["recompute_tail"]),
+                           _figure(f"{name}['kept']", point.get("kept")),
+                           _figure(f"{name}['agreement']", point.get("agreement")),
+                           _figure(f"{name}['computed_share']", point.get("computed_share")),
+                           _args.size(f"{name}['prompt_tokens']", point.get("prompt_tokens", 0))))
+        self._native.set_serving(
+            True, _args.integer("serving['recompute_tail']", value["recompute_tail"], -2**63),
+            _figure("serving['agreement_goal']", value.get("agreement_goal")), points,
+            _args.text("serving['note']", value.get("note", "")))
 
     @classmethod
     def load(cls, path: Union[str, "os.PathLike[str]"], *,
@@ -300,4 +396,4 @@ def fit_adapter(source_spec: _core.ModelSpec, target_spec: _core.ModelSpec,
     return fitter.fit(progress=progress)
 
 
-__all__: List[str] = ["AdapterFitter", "LinearAdapter", "fit_adapter"]
+__all__: List[str] = ["AdapterFitter", "LinearAdapter", "choose_serving", "fit_adapter"]

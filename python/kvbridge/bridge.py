@@ -36,6 +36,9 @@ class Load:
         tokens that are not the model's own prefill: set for a conversion, and also for a native
         hit on entries an earlier conversion wrote back (converted is False then); "" when every
         token is the model's own KV.
+    recompute_tail: the tail recompute r the load applied (Bridge.recompute_tail_for of the
+        adapter that converted, or that written-back entries name): the model computes the
+        prompt's last r + 1 tokens itself. 0 when every token is the model's own KV.
     """
 
     tokens: int
@@ -46,6 +49,7 @@ class Load:
     quality: float
     converted_from: str = ""
     adapter: str = ""
+    recompute_tail: int = 0
 
 
 class Bridge:
@@ -98,7 +102,7 @@ class Bridge:
         self._lock = threading.Lock()
         self._tokenizer_errors = 0  # guarded by _lock
         self._native = _core.Bridge(store._store, **{
-            name: _OPTION_CHECKS[kind](name, options[name]) for name, kind, _, _ in _OPTIONS})
+            name: check_option(name, kind, options[name]) for name, kind, _, _ in _OPTIONS})
 
     @property
     def store(self) -> KVStore:
@@ -197,6 +201,15 @@ class Bridge:
     def quality(adapter: LinearAdapter) -> float:
         """Minimum held-out R² over every target layer's K and V maps (what min_quality gates)."""
         return _core.Bridge.quality(adapter._native)
+
+    def recompute_tail_for(self, adapter: LinearAdapter) -> int:
+        """The tail recompute loads converted by `adapter` get: the recompute_tail option when
+        it is >= 0, else the adapter's recorded one (adapter.serving["recompute_tail"]), else 0.
+        The adapter need not be registered."""
+        if not isinstance(adapter, LinearAdapter):
+            raise TypeError("adapter: expected a kvbridge.LinearAdapter, got "
+                            f"{type(adapter).__name__}")
+        return self._native.recompute_tail_for(adapter._native)
 
     def record_check(self, adapter: Union[LinearAdapter, str], check: Any) -> bool:
         """Records a quality check (a kvbridge.monitor.Check) of the registered adapter (or its
@@ -339,7 +352,7 @@ class Bridge:
             if as_cache:
                 kv = legacy_to_cache(kv, spec)
         return Load(found.tokens, kv, found.source, found.converted, found.native_tokens,
-                    found.quality, found.converted_from, found.adapter)
+                    found.quality, found.converted_from, found.adapter, found.recompute_tail)
 
     def _across(self, spec: _core.ModelSpec, ids: Any):
         """(target tokenization, source tokenize callback) for a load across tokenizers, or None
@@ -402,6 +415,21 @@ class Bridge:
 _OPTIONS = _core.Bridge.OPTIONS
 #: The argument check (kvbridge._args) for each option type; int options are counts.
 _OPTION_CHECKS = {"float": _args.number, "bool": _args.flag, "int": _args.size}
+
+
+def _tail(name: str, value: Any) -> int:
+    """recompute_tail: a count, or -1 for each adapter's recorded tail."""
+    return _args.integer(name, value, -1)
+
+
+#: Options whose check is not their type's.
+_OPTION_CHECKS_BY_NAME = {"recompute_tail": _tail}
+
+
+def check_option(name: str, kind: str, value: Any) -> Any:
+    """`value` as the native option `name` of type `kind` takes it (TypeError or
+    InvalidArgumentError otherwise)."""
+    return _OPTION_CHECKS_BY_NAME.get(name, _OPTION_CHECKS[kind])(name, value)
 #: How many options (the first ones) may also be given by position.
 _POSITIONAL_OPTIONS = 2
 

@@ -111,7 +111,7 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
 
         # Teacher-forced continuation scores on the loaded cache (needs all but the last
         # prompt token, or the recompute_tail before it, which is what a full-chunk load returns).
-        cut = bridge.recompute_tail if load.converted else 0
+        cut = load.recompute_tail if load.converted else 0
         if load.tokens and load.tokens == p - 1 - cut:
             own_kv = kv_eval.prefix_kv(tgt.model, prompt[:-1])
             targets = torch.as_tensor(w[p:], dtype=torch.long)

@@ -88,6 +88,7 @@ import torch
 import kvbridge
 from kvbridge._tensors import KVCache
 from kvbridge._core import InvalidArgumentError
+from kvbridge.adapter import choose_serving
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "rope_auto": {"rope_aware": True, "source_layers": "auto"},
@@ -390,8 +391,10 @@ def measure_ttft(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
     bridges = {}
     for name, adapter in adapters.items():
         store = kvbridge.KVStore(capacity_bytes=1 << 30, chunk_tokens=chunk_tokens)
+        # recompute_tail 0 unless the row says otherwise (not the adapter's recorded tail).
         bridges[name] = kvbridge.Bridge(store, min_quality=float("-inf"), write_back=False,
-                                        **(bridge_options or {}).get(name, {}))
+                                        **{"recompute_tail": 0,
+                                           **(bridge_options or {}).get(name, {})})
         bridges[name].add_adapter(adapter)
     rows: Dict[str, List[Dict[str, Any]]] = {name: [] for name in adapters}
     for prompt in prompts:
@@ -721,6 +724,48 @@ def int_at_least(lo: int):
     return parse
 
 
+#: --agreement-goal's default for a testbed module without SERVING_AGREEMENT_GOAL.
+DEFAULT_AGREEMENT_GOAL = 0.85
+
+
+def serving_record(results: Dict[str, Any], agreement_goal: float) -> Optional[Dict[str, Any]]:
+    """The serving defaults (LinearAdapter.serving) of the results' measured tail levers (rows
+    with exact_layers 0; prompt tokens: window minus continuation), or None when none was
+    measured."""
+    rows = [r for r in (results.get("levers") or {}).get("rows", []) if r["exact_layers"] == 0]
+    if not rows:
+        return None
+    cfg = results["config"]
+    prompt = int(cfg["window_tokens"]) - int(cfg["continuation_tokens"])
+    points = [{"recompute_tail": int(r["recompute_tail"]), "kept": _finite_or_null(r["kept"]),
+               "agreement": _finite_or_null(r["agreement"]),
+               "computed_share": (int(r["recompute_tail"]) + 1) / prompt,
+               "prompt_tokens": prompt} for r in rows]
+    return choose_serving(points, agreement_goal,
+                          f"kvbridge eval, {results['windows']['heldout']} held-out windows")
+
+
+def measure_serving(pair: Any, adapter: kvbridge.LinearAdapter, tails: Sequence[int],
+                    agreement_goal: float, heldout_windows: int = EvalConfig.heldout_windows,
+                    data: Any = None) -> Dict[str, Any]:
+    """Serving defaults for `adapter` measured as `kvbridge eval` measures its tail levers (the
+    default windows: MAX_CONTEXT tokens, a quarter of them continuation; exact_layers 0): the
+    least of `tails` whose agreement reaches agreement_goal (choose_serving)."""
+    window = int(testbed_module(data).MAX_CONTEXT)
+    cont = window // 4
+    heldout = text_windows(pair, "heldout", window, heldout_windows, data)
+    levers = [(int(r), 0) for r in tails]
+    scores = score_levers(pair.target.model, heldout, cont, pair.tokenizer.bos_id,
+                          lambda ids: prefix_kv(pair.source.model, ids), adapter, levers)
+    results = {"config": {"window_tokens": window, "continuation_tokens": cont},
+               "windows": {"heldout": len(heldout)},
+               "levers": {"rows": [{"recompute_tail": r, "exact_layers": 0,
+                                    **scores[lever_name(r, 0)]} for r, _ in levers]}}
+    record = serving_record(results, agreement_goal)
+    assert record is not None
+    return record
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0],
                                 epilog="A --source and --target whose tokenizers differ (as "
@@ -732,7 +777,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="evaluate this adapter file (as every variant it is "
                    "given for: only one, named 'loaded') instead of fitting")
     p.add_argument("--save-adapter", metavar="PATH",
-                   help="save the best fitted variant (highest kept) to this file")
+                   help="save the best fitted variant (highest kept) to this file, with its "
+                   "serving defaults (LinearAdapter.serving) from the measured tail levers")
+    p.add_argument("--agreement-goal", type=float, default=None,
+                   help="the agreement the saved adapter's recorded recompute_tail must reach: "
+                   "the least measured tail (levers with exact_layers 0) that does (default: "
+                   "testbed.SERVING_AGREEMENT_GOAL, else 0.85)")
     p.add_argument("--window-tokens", type=int_at_least(0), default=0)
     p.add_argument("--continuation-tokens", type=int_at_least(0), default=0)
     p.add_argument("--train-windows", type=int_at_least(1), default=EvalConfig.train_windows)
@@ -803,10 +853,18 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         if args.adapter:
             raise SystemExit("--save-adapter saves a fitted adapter; it cannot go with --adapter")
         best = results["best_variant"]
+        goal = (getattr(testbed, "SERVING_AGREEMENT_GOAL", DEFAULT_AGREEMENT_GOAL)
+                if args.agreement_goal is None else args.agreement_goal)
+        serving = serving_record(results, goal)
+        if serving is not None:
+            adapters[best].serving = serving
         os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
         adapters[best].save(args.save_adapter)
-        results["saved_adapter"] = {"path": args.save_adapter, "variant": best}
-        print(f"saved the {best} adapter to {args.save_adapter}")
+        results["saved_adapter"] = {"path": args.save_adapter, "variant": best,
+                                    "serving": serving}
+        print(f"saved the {best} adapter to {args.save_adapter}"
+              + (f" (serving: recompute_tail {serving['recompute_tail']})" if serving
+                 else " (no tail lever measured: no serving defaults recorded)"))
     paths = write_results(results, args.out)
     print(format_table(results))
     print(f"\nwrote {paths['json']} and {paths['plot']}")

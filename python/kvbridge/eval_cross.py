@@ -61,6 +61,7 @@ import torch
 
 import kvbridge
 from kvbridge import eval as kv_eval
+from kvbridge.adapter import choose_serving
 
 #: The ablation: positions paired index by index, as for two models of one tokenizer.
 NAIVE = "naive"
@@ -291,6 +292,20 @@ def measure_ttft_cross(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
 # ----------------------------------------------------------------------------- run
 
 
+def serving_record(score: Dict[str, Any], agreement_goal: float) -> Dict[str, Any]:
+    """Serving defaults (LinearAdapter.serving) from one policy's score_cross row: this eval
+    measures no tail levers, so the curve is its one point, r = 0 (the target computes each
+    window's last prompt token), and the tail 0 (with a note when it misses the goal)."""
+    windows = int(score["windows"])
+    prompt = int(score["prefix_tokens"]) + windows
+    point = {"recompute_tail": 0, "kept": kv_eval._finite_or_null(score["kept"]),
+             "agreement": kv_eval._finite_or_null(score["agreement"]),
+             "computed_share": windows / prompt, "prompt_tokens": round(prompt / windows)}
+    return choose_serving([point], agreement_goal,
+                          f"kvbridge eval across tokenizers, {windows} held-out windows "
+                          "(prompt_tokens: their mean), tail 0 only")
+
+
 def default_ttft_bytes(window_bytes: int) -> List[int]:
     return sorted({max(16, window_bytes >> s) for s in range(4)})
 
@@ -452,9 +467,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         best = best_policy(results, include_naive=False)
         if best is None:
             raise SystemExit("--save-adapter: no alignment policy was fitted (only naive)")
+        serving = serving_record(results["variants"][best], testbed.SERVING_AGREEMENT_GOAL)
+        adapters[best].serving = serving
         os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
         adapters[best].save(args.save_adapter)
-        results["saved_adapter"] = {"path": args.save_adapter, "variant": best}
+        results["saved_adapter"] = {"path": args.save_adapter, "variant": best,
+                                    "serving": serving}
         print(f"saved the {best} adapter to {args.save_adapter}")
     paths = kv_eval.write_results(results, args.out)
     print(format_table(results))

@@ -85,7 +85,10 @@ class TorchAdapter(torch.nn.Module):
     def __init__(self, adapter: LinearAdapter, path: str, dtype: torch.dtype = torch.float32):
         super().__init__()
         tensors, meta = read_adapter(path)
-        if meta.get("checksum") != adapter.fingerprint:
+        # The file's checksum is the fingerprint unless it records serving defaults (which the
+        # fingerprint leaves out): then the file's own load says.
+        if (meta.get("checksum") != adapter.fingerprint
+                and LinearAdapter.load(path).fingerprint != adapter.fingerprint):
             raise InvalidArgumentError(f"{path} is not the adapter {adapter.fingerprint}")
         self.source, self.target = adapter.source, adapter.target
         self.layer_map: List[List[int]] = json.loads(meta["layer_map"])
@@ -176,7 +179,8 @@ class TorchAdapter(torch.nn.Module):
                     .contiguous()
                 tensors[f"layers.{j}.{kind}.bias"] = self.biases[2 * j + i].detach().float() \
                     .contiguous()
-        meta = {k: v for k, v in self.metadata.items() if k != "checksum"}
+        # The serving defaults were measured for the unrefined maps: not carried over.
+        meta = {k: v for k, v in self.metadata.items() if k not in ("checksum", "serving")}
         meta["fit_report"] = json.dumps(report, separators=(",", ":"))
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)

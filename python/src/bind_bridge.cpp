@@ -67,6 +67,7 @@ void bind_bridge(py::module_& m) {
       .def_property_readonly("quality", &Load::quality)
       .def_property_readonly("converted_from", &Load::converted_from)
       .def_property_readonly("adapter", &Load::adapter)
+      .def_property_readonly("recompute_tail", &Load::recompute_tail)
       .def(
           "copy_to",
           [](const Load& load, const std::vector<TensorView>& keys,
@@ -96,6 +97,10 @@ void bind_bridge(py::module_& m) {
            py::arg("store") KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_OPTION_ARG_),
            py::keep_alive<1, 2>())  // the Bridge borrows the store
       KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_OPTION_PROPERTY_)
+      .def(
+          "recompute_tail_for",
+          [](const Bridge& b, const LinearAdapter& adapter) { return b.recompute_tail(adapter); },
+          py::arg("adapter"))
       .def(
           "record_check",
           [](Bridge& b, const std::string& adapter, int64_t positions, int64_t agreed,

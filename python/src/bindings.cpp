@@ -2,12 +2,14 @@
 // and Python callers get the same errors); Python-side type handling lives in python/kvbridge.
 #include <array>
 #include <optional>
+#include <tuple>
 
 #include <pybind11/numpy.h>
 #include <pybind11/operators.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstring>
 #include <iterator>
 #include <stdexcept>
@@ -776,6 +778,49 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("report", [](const LinearAdapter& a) { return report_dict(a.report()); })
       .def("save", &LinearAdapter::save, py::arg("path"))
       .def_property_readonly("fingerprint", &LinearAdapter::fingerprint)
+      // Serving defaults: a dict (NaN figures as None), None when nothing is recorded.
+      .def_property_readonly("serving",
+                             [](const LinearAdapter& a) -> py::object {
+                               const ServingDefaults s = a.serving();
+                               if (!s.recorded) return py::none();
+                               auto figure = [](double v) -> py::object {
+                                 return std::isnan(v) ? py::object(py::none()) : py::float_(v);
+                               };
+                               py::list measured;
+                               for (const ServingPoint& p : s.measured) {
+                                 py::dict d;
+                                 d["recompute_tail"] = p.recompute_tail;
+                                 d["kept"] = figure(p.kept);
+                                 d["agreement"] = figure(p.agreement);
+                                 d["computed_share"] = figure(p.computed_share);
+                                 d["prompt_tokens"] = p.prompt_tokens;
+                                 measured.append(d);
+                               }
+                               py::dict out;
+                               out["recompute_tail"] = s.recompute_tail;
+                               out["agreement_goal"] = figure(s.agreement_goal);
+                               out["measured"] = measured;
+                               out["note"] = s.note;
+                               return std::move(out);
+                             })
+      // measured: (recompute_tail, kept, agreement, computed_share, prompt_tokens) per point,
+      // NaN for a figure not measured; recorded false clears the record.
+      .def(
+          "set_serving",
+          [](LinearAdapter& a, bool recorded, int64_t recompute_tail, double agreement_goal,
+             const std::vector<std::tuple<int64_t, double, double, double, int64_t>>& measured,
+             const std::string& note) {
+            ServingDefaults s;
+            s.recorded = recorded;
+            s.recompute_tail = recompute_tail;
+            s.agreement_goal = agreement_goal;
+            s.note = note;
+            for (const auto& [r, kept, agreement, share, prompt] : measured)
+              s.measured.push_back({r, kept, agreement, share, prompt});
+            a.set_serving(s);
+          },
+          py::arg("recorded"), py::arg("recompute_tail"), py::arg("agreement_goal"),
+          py::arg("measured"), py::arg("note"))
       .def_static(
           "load",
           [](const std::string& path, bool allow_unchecked) {

@@ -15,6 +15,7 @@
 #include "kvbridge/error.h"
 #include "src/adapter/adapter_impl.h"
 #include "src/adapter/numeric.h"
+#include "src/adapter/serving.h"
 #include "src/core/byte_order.h"
 #include "src/core/xxh3.h"
 #include "src/io/safetensors.h"
@@ -320,6 +321,9 @@ std::string LinearAdapter::fingerprint() const {
 void LinearAdapter::save(const std::string& path) const {
   const Impl& a = *impl_;
   std::map<std::string, std::string> meta = file_metadata(a);
+  // Serving defaults: checksummed with the rest, but not part of fingerprint() (file_metadata).
+  if (const ServingDefaults serving = this->serving(); serving.recorded)
+    meta[detail::kServingKey] = detail::serving_json(serving);
   const std::map<std::string, TensorBytes> views = file_tensors(a);
   meta[kChecksumKey] = content_checksum(meta, views).hex();
   std::vector<io::StTensor> tensors;
@@ -450,6 +454,8 @@ LinearAdapter LinearAdapter::load(const std::string& path, const AdapterLoadOpti
   }
   KVB_CHECK_AS(Corrupt, used == file.tensors.size(),
                "adapter file: " << file.tensors.size() - used << " tensors the layer map does not use");
+  if (const auto serving = meta.find(detail::kServingKey); serving != meta.end())
+    a->serving = detail::parse_serving(serving->second);
   return LinearAdapter(std::move(a));
 }
 

@@ -45,6 +45,9 @@ struct LinearAdapter::Impl {
   /// LinearAdapter::fingerprint(), computed once on first use.
   mutable std::once_flag fingerprint_once;
   mutable std::string fingerprint;
+  /// LinearAdapter::serving(): the one part that may change after fit or load (set_serving).
+  mutable std::mutex serving_mutex;
+  ServingDefaults serving;  // guarded by serving_mutex
 
   int64_t source_width() const { return source.num_kv_heads * source.head_dim; }
   int64_t target_width() const { return target.num_kv_heads * target.head_dim; }

@@ -107,6 +107,24 @@ struct Bridge::Impl {
 
   bool usable(const Registered& r) const { return r.quality >= options.min_quality; }
 
+  // Bridge::recompute_tail.
+  int64_t tail_of(const LinearAdapter& adapter) const {
+    if (options.recompute_tail >= 0) return options.recompute_tail;
+    const ServingDefaults serving = adapter.serving();
+    return serving.recorded ? serving.recompute_tail : 0;
+  }
+  // The tail for entries whose provenance names this adapter fingerprint: the option, or the
+  // registered adapter's own tail (0 for one not registered here).
+  int64_t tail_of(const std::string& adapter_fp) {
+    if (options.recompute_tail >= 0) return options.recompute_tail;
+    std::shared_ptr<const LinearAdapter> adapter;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (Registered* r = find(adapter_fp)) adapter = r->adapter;
+    }
+    return adapter ? tail_of(*adapter) : 0;
+  }
+
   // The registered adapter with this fingerprint, or nullptr; call with `mu` held.
   Registered* find(const std::string& adapter_fp) {
     for (Registered& r : registry)
@@ -170,11 +188,12 @@ struct Bridge::Impl {
   // a dropped adapter, and the provenance of the first converted chunk among them.
   struct Usable {
     int64_t tokens = 0;
+    int64_t own = 0;  // of `tokens`, those before the first converted chunk
     Provenance origin;
   };
   Usable usable_prefix(const Match& match) {
     Usable out;
-    out.tokens = match.tokens();
+    out.tokens = out.own = match.tokens();
     const int64_t chunks = match.chunks();
     if (chunks == 0) return out;
     const int64_t chunk_tokens = match.tokens() / chunks;
@@ -189,10 +208,14 @@ struct Bridge::Impl {
       if (!p.converted()) continue;
       if (dropped.count(p.adapter_fingerprint)) {
         out.tokens = c * chunk_tokens;
+        out.own = std::min(out.own, out.tokens);
         dropped_tokens.fetch_add(match.tokens() - out.tokens, std::memory_order_relaxed);
         return out;
       }
-      if (!out.origin.converted()) out.origin = p;
+      if (!out.origin.converted()) {
+        out.origin = p;
+        out.own = c * chunk_tokens;
+      }
     }
     return out;
   }
@@ -213,8 +236,9 @@ void Load::copy_to(const KVView& dst) const {
 
 Bridge::Bridge(KVStore& store, const BridgeOptions& options) {
   KVB_CHECK(!std::isnan(options.min_quality), "min_quality must not be NaN");
-  KVB_CHECK(options.recompute_tail >= 0,
-            "recompute_tail must be >= 0, got " << options.recompute_tail);
+  KVB_CHECK(options.recompute_tail >= -1,
+            "recompute_tail must be >= 0, or -1 for each adapter's recorded tail, got "
+                << options.recompute_tail);
   KVB_CHECK(options.min_agreement == -std::numeric_limits<double>::infinity() ||
                 (options.min_agreement >= 0 && options.min_agreement <= 1),
             "min_agreement must lie in [0, 1] or be -infinity, got " << options.min_agreement);
@@ -241,6 +265,10 @@ double Bridge::quality(const LinearAdapter& adapter) {
     q = std::min({q, layer.r2_key, layer.r2_value});
   }
   return q;
+}
+
+int64_t Bridge::recompute_tail(const LinearAdapter& adapter) const {
+  return impl_->tail_of(adapter);
 }
 
 void Bridge::add_adapter(std::shared_ptr<const LinearAdapter> adapter, bool replace) {
@@ -378,8 +406,16 @@ struct Candidate {
   Match match;
   int64_t cached = 0;  // of match's tokens, those that may be served (Impl::usable_prefix)
   int64_t length = 0;
+  int64_t tail = 0;  // Bridge::recompute_tail of the adapter
   std::vector<int64_t> alignment;  // empty: same tokenizer, token j from source token j
 };
+
+// Converted tokens end here at most: with a tail r > 0 the target computes the prompt's last
+// r + 1 tokens itself; with 0 a source prefix covering the whole prompt is converted whole (and
+// written back) and the returned load trimmed by one.
+int64_t converted_end(int64_t source_len, int64_t limit, int64_t tail) {
+  return tail == 0 ? source_len : std::min(source_len, limit - tail);
+}
 
 }  // namespace
 
@@ -416,7 +452,13 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
   Match native = m.store.match(spec, tokens, ns);
   m.lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   const Impl::Usable native_use = m.usable_prefix(native);
-  const int64_t native_len = native_use.tokens;
+  // Entries a conversion wrote back keep their adapter's tail (the target's own part is not cut).
+  const int64_t native_tail =
+      native_use.origin.converted() ? m.tail_of(native_use.origin.adapter_fingerprint) : 0;
+  const int64_t native_len =
+      native_tail > 0
+          ? std::min(native_use.tokens, std::max(native_use.own, limit - native_tail))
+          : native_use.tokens;
 
   // Candidates: adapters to exactly this spec, copied out so the lock is not held while working.
   // Same-tokenizer adapters always; adapters across tokenizers only with a target tokenization.
@@ -446,13 +488,6 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
   m.adapters_skipped_stale.fetch_add(skipped_stale, std::memory_order_relaxed);
   m.adapters_skipped_disabled.fetch_add(skipped_disabled, std::memory_order_relaxed);
 
-  // Converted tokens end here at most: with recompute_tail r > 0 the target computes the prompt's
-  // last r + 1 tokens itself; with 0 a source prefix covering the whole prompt is converted whole
-  // (and written back) and the returned load trimmed by one.
-  const int64_t tail = m.options.recompute_tail;
-  auto converted_end = [&](int64_t source_len) {
-    return tail == 0 ? source_len : std::min(source_len, limit - tail);
-  };
   // The longest prefix; ties go to the higher quality, then the earlier registered.
   Candidate best;
   std::map<std::string, std::optional<Tokenization>> texts;  // per source tokenizer id
@@ -460,12 +495,14 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
     const ModelSpec& source = r.adapter->source();
     Candidate c;
     c.registered = &r;
+    c.tail = m.tail_of(*r.adapter);
+    const int64_t tail = c.tail;
     if (source.tokenizer == spec.tokenizer) {
       start = Clock::now();
       c.match = m.store.match(source, tokens, ns);
       m.lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
       c.cached = m.usable_prefix(c.match).tokens;
-      c.length = std::min(converted_end(c.cached), limit);
+      c.length = std::min(converted_end(c.cached, limit, tail), limit);
     } else {
       auto it = texts.find(source.tokenizer);
       if (it == texts.end()) {  // the caller tokenizes the text once per source tokenizer
@@ -521,9 +558,13 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
     o.native_tokens_ = o.tokens_;
     o.source_ = spec.name;
     o.quality_ = std::numeric_limits<double>::quiet_NaN();
-    // Entries an earlier conversion wrote back are native hits now; say where they came from.
-    o.converted_from_ = native_use.origin.source_fingerprint;
-    o.adapter_ = native_use.origin.adapter_fingerprint;
+    // Entries an earlier conversion wrote back are native hits now; say where they came from
+    // (when the load holds any of them).
+    if (o.tokens_ > native_use.own) {
+      o.converted_from_ = native_use.origin.source_fingerprint;
+      o.adapter_ = native_use.origin.adapter_fingerprint;
+      o.recompute_tail_ = native_tail;
+    }
     if (kv_buffer) {
       o.buffer_view_ = kv_view.slice_tokens(0, o.tokens_);
       o.buffer_ = std::move(kv_buffer);
@@ -541,7 +582,7 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
   // source range [lo, hi) they span is copied out of the store).
   const LinearAdapter& adapter = *best.registered->adapter;
   const bool aligned = !best.alignment.empty();
-  const int64_t total = aligned ? best.length : converted_end(best.cached);
+  const int64_t total = aligned ? best.length : converted_end(best.cached, limit, best.tail);
   const int64_t missing = total - native_len;
   int64_t lo = native_len, hi = total;
   std::vector<int64_t> rows;
@@ -612,6 +653,7 @@ Load Bridge::load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenizati
   out.quality_ = best.registered->quality;
   out.converted_from_ = provenance.source_fingerprint;
   out.adapter_ = provenance.adapter_fingerprint;
+  out.recompute_tail_ = best.tail;
   out.buffer_view_ = full.slice_tokens(0, out.tokens_);
   out.buffer_ = std::move(buffer);
   m.converted_hits.fetch_add(1, std::memory_order_relaxed);

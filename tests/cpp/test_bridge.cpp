@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "src/adapter/numeric.h"
+#include "src/io/safetensors.h"
 #include "test_util.h"
 
 namespace kvbridge {
@@ -642,7 +643,8 @@ TEST_F(BridgeTest, ConcurrentLoadsAgree) {
 
 // recompute_tail r: a converted load stops r tokens before the last prompt token; the converted
 // tokens equal the adapter's conversion of the same tokens, and only their whole chunks are
-// written back. A native prefix is never cut, and wins when the cut leaves no more than it.
+// written back. The target's own prefix is never cut; a written-back one is cut as a conversion
+// would be, and a native prefix wins when the cut leaves the conversion no more than it.
 TEST_F(BridgeTest, RecomputeTailLeavesTokensToTheTarget) {
   KVStore store(store_options());
   BridgeOptions options;
@@ -670,12 +672,14 @@ TEST_F(BridgeTest, RecomputeTailLeavesTokensToTheTarget) {
   EXPECT_LT(max_rel_diff(load_kv(again, *tgt_), token_range(ref48, *tgt_, 48, 0, 47)), 1e-5);
 
   BridgeOptions deep;
-  deep.recompute_tail = 30;  // cut at 22 < the native 32: the native prefix wins, uncut
+  deep.recompute_tail = 30;  // cut at 22: the written-back 32 are cut to 22 too, and win
   Bridge cautious(store, deep);
   cautious.add_adapter(*good_);
   const Load native = cautious.load(*tgt_, tokens);
   EXPECT_FALSE(native.converted());
-  EXPECT_EQ(native.tokens(), 32);
+  EXPECT_EQ(native.tokens(), 22);
+  EXPECT_EQ(native.recompute_tail(), 30);
+  EXPECT_EQ(native.adapter(), (*good_)->fingerprint());
   KVStore empty(store_options());
   Bridge fresh(empty, deep);
   fresh.add_adapter(*good_);
@@ -691,8 +695,236 @@ TEST_F(BridgeTest, RecomputeTailLeavesTokensToTheTarget) {
   EXPECT_FALSE(none.load(*tgt_, testing::random_tokens(40, 32)));
 
   BridgeOptions negative;
-  negative.recompute_tail = -1;
+  negative.recompute_tail = -2;  // -1 is "each adapter's own"
   EXPECT_THROW((Bridge{store, negative}), InvalidArgument);
+}
+
+// Serving defaults ------------------------------------------------------------------------------
+
+// A mutable copy of a fitted adapter (saved and loaded again), with or without a serving record.
+std::shared_ptr<LinearAdapter> copy_of(const LinearAdapter& adapter, const std::string& path) {
+  adapter.save(path);
+  return std::make_shared<LinearAdapter>(LinearAdapter::load(path));
+}
+
+ServingDefaults serving_of(int64_t tail) {
+  ServingDefaults s;
+  s.recorded = true;
+  s.recompute_tail = tail;
+  s.agreement_goal = 0.875;
+  s.note = "planted";
+  for (int64_t r : {0, 4, 9}) {
+    ServingPoint p;
+    p.recompute_tail = r;
+    p.kept = 0.5 + 0.05 * static_cast<double>(r);
+    p.agreement = 0.8 + 0.01 * static_cast<double>(r);
+    p.computed_share = static_cast<double>(r + 1) / 53.0;
+    p.prompt_tokens = 53;
+    s.measured.push_back(p);
+  }
+  s.measured[1].kept = std::numeric_limits<double>::quiet_NaN();  // not measured: null
+  return s;
+}
+
+// The record survives save and load exactly (NaN as null), leaves fingerprint() alone, is covered
+// by the file's checksum, and a file without it loads with nothing recorded.
+TEST_F(BridgeTest, ServingDefaultsRoundTripThroughTheAdapterFile) {
+  testing::TempDir dir;
+  auto plain = copy_of(**good_, dir.path + "/plain.safetensors");
+  EXPECT_FALSE(plain->serving().recorded);
+  EXPECT_TRUE(plain->serving().measured.empty());
+  const std::string fp = plain->fingerprint();
+
+  plain->set_serving(serving_of(4));
+  EXPECT_EQ(plain->fingerprint(), fp);
+  plain->save(dir.path + "/serving.safetensors");
+  const LinearAdapter back = LinearAdapter::load(dir.path + "/serving.safetensors");
+  const ServingDefaults s = back.serving();
+  ASSERT_TRUE(s.recorded);
+  EXPECT_EQ(s.recompute_tail, 4);
+  EXPECT_EQ(s.agreement_goal, 0.875);
+  EXPECT_EQ(s.note, "planted");
+  ASSERT_EQ(s.measured.size(), 3u);
+  const ServingDefaults want = serving_of(4);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(s.measured[i].recompute_tail, want.measured[i].recompute_tail);
+    if (i == 1) {
+      EXPECT_TRUE(std::isnan(s.measured[i].kept));
+    } else {
+      EXPECT_EQ(s.measured[i].kept, want.measured[i].kept);
+    }
+    EXPECT_EQ(s.measured[i].agreement, want.measured[i].agreement);
+    EXPECT_EQ(s.measured[i].computed_share, want.measured[i].computed_share);
+    EXPECT_EQ(s.measured[i].prompt_tokens, 53);
+  }
+  EXPECT_EQ(back.fingerprint(), fp);
+
+  // The record is checksummed: an edited tail is a damaged file.
+  io::StFile file = io::read_safetensors(dir.path + "/serving.safetensors");
+  ASSERT_EQ(file.metadata.count("serving"), 1u);
+  EXPECT_NE(file.metadata.at("checksum"), fp);
+  std::string& text = file.metadata.at("serving");
+  const size_t at = text.find("\"recompute_tail\":4}");
+  ASSERT_NE(at, std::string::npos) << text;
+  text.replace(at, 19, "\"recompute_tail\":5}");
+  std::vector<io::StTensor> tensors;
+  for (auto& [name, t] : file.tensors) tensors.push_back(t);
+  io::write_safetensors(dir.path + "/edited.safetensors", tensors, file.metadata);
+  EXPECT_THROW(LinearAdapter::load(dir.path + "/edited.safetensors"), Corrupt);
+  // ... and a record out of range under a valid checksum is refused too.
+  file.metadata.erase("checksum");
+  text = "{\"recompute_tail\":-3,\"agreement_goal\":null,\"measured\":[],\"note\":\"\"}";
+  io::write_safetensors(dir.path + "/bad.safetensors", tensors, file.metadata);
+  AdapterLoadOptions unchecked;
+  unchecked.allow_unchecked = true;
+  EXPECT_THROW(LinearAdapter::load(dir.path + "/bad.safetensors", unchecked), Corrupt);
+
+  // Clearing the record: the file is the plain one again, byte for byte in its checksum.
+  plain->set_serving(ServingDefaults{});
+  EXPECT_FALSE(plain->serving().recorded);
+  plain->save(dir.path + "/cleared.safetensors");
+  EXPECT_EQ(io::read_safetensors(dir.path + "/cleared.safetensors").metadata.count("serving"), 0u);
+  EXPECT_EQ(io::read_safetensors(dir.path + "/cleared.safetensors").metadata.at("checksum"), fp);
+
+  // Out of range: refused, nothing changed.
+  ServingDefaults bad = serving_of(4);
+  bad.recompute_tail = -1;
+  EXPECT_THROW(plain->set_serving(bad), InvalidArgument);
+  bad = serving_of(4);
+  bad.agreement_goal = 1.5;
+  EXPECT_THROW(plain->set_serving(bad), InvalidArgument);
+  bad = serving_of(4);
+  bad.measured[0].agreement = -0.1;
+  EXPECT_THROW(plain->set_serving(bad), InvalidArgument);
+  bad = serving_of(4);
+  bad.measured[2].kept = std::numeric_limits<double>::infinity();
+  EXPECT_THROW(plain->set_serving(bad), InvalidArgument);
+  EXPECT_FALSE(plain->serving().recorded);
+}
+
+// By default (recompute_tail -1) a converted load leaves the converting adapter's recorded tail to
+// the target; an adapter without a record converts all but the last token; an explicit option
+// wins over the record.
+TEST_F(BridgeTest, ConvertedLoadsUseTheAdaptersRecordedTail) {
+  testing::TempDir dir;
+  auto adapter = copy_of(**good_, dir.path + "/a.safetensors");
+  adapter->set_serving(serving_of(9));
+  const auto tokens = testing::random_tokens(53, 71);  // limit 52, cut at 43
+  FloatKV src(*src_, 53, 1);
+  src.randomize(72);
+  const auto ref = converted(*adapter, src.view(), 0, true);
+
+  KVStore store(store_options());
+  Bridge bridge(store);
+  EXPECT_EQ(bridge.options().recompute_tail, -1);
+  EXPECT_EQ(bridge.recompute_tail(*adapter), 9);
+  bridge.add_adapter(adapter);
+  bridge.save(*src_, tokens, src.view());
+  const Load load = bridge.load(*tgt_, tokens);
+  ASSERT_TRUE(load.converted());
+  EXPECT_EQ(load.tokens(), 43);
+  EXPECT_EQ(load.recompute_tail(), 9);
+  EXPECT_LT(max_rel_diff(load_kv(load, *tgt_), token_range(ref, *tgt_, 53, 0, 43)), 1e-5);
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 32);  // whole chunks of the 43 written back
+
+  // The record changes while registered: the next load uses the new one.
+  adapter->set_serving(serving_of(20));
+  KVStore store2(store_options());
+  Bridge bridge2(store2);
+  bridge2.add_adapter(adapter);
+  bridge2.save(*src_, tokens, src.view());
+  EXPECT_EQ(bridge2.load(*tgt_, tokens).tokens(), 32);  // 52 - 20
+
+  // Explicit options win: 0 converts all 48 cached source tokens, 5 cuts at 47.
+  for (int64_t r : {0, 5}) {
+    KVStore s(store_options());
+    BridgeOptions o;
+    o.recompute_tail = r;
+    Bridge b(s, o);
+    EXPECT_EQ(b.recompute_tail(*adapter), r);
+    b.add_adapter(adapter);
+    b.save(*src_, tokens, src.view());
+    const Load l = b.load(*tgt_, tokens);
+    EXPECT_EQ(l.tokens(), r == 0 ? 48 : 47);
+    EXPECT_EQ(l.recompute_tail(), r);
+  }
+
+  // Nothing recorded: 0 (the old default's behaviour).
+  KVStore store3(store_options());
+  Bridge bridge3(store3);
+  EXPECT_EQ(bridge3.recompute_tail(**good_), 0);
+  bridge3.add_adapter(*good_);
+  bridge3.save(*src_, tokens, src.view());
+  const Load whole = bridge3.load(*tgt_, tokens);
+  EXPECT_EQ(whole.tokens(), 48);
+  EXPECT_EQ(whole.recompute_tail(), 0);
+}
+
+// A native hit on entries a conversion wrote back keeps the tail of the adapter its provenance
+// names: a shorter prompt over the written-back prefix is cut to n - 1 - r (its own-KV part never
+// is), and a load with only the target's own KV is never cut.
+TEST_F(BridgeTest, WrittenBackHitsKeepTheirAdaptersTail) {
+  testing::TempDir dir;
+  auto adapter = copy_of(**good_, dir.path + "/a.safetensors");
+  adapter->set_serving(serving_of(9));
+  const auto tokens = testing::random_tokens(60, 73);  // limit 59, source cached [0, 48)
+  FloatKV src(*src_, 60, 1);
+  src.randomize(74);
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(adapter);
+  bridge.save(*src_, tokens, src.view());
+  ASSERT_EQ(bridge.load(*tgt_, tokens).tokens(), 48);  // min(48, 59 - 9)
+  ASSERT_EQ(store.match(*tgt_, tokens).tokens(), 48);  // written back, provenance: the adapter
+  const auto ref = converted(*adapter, src.view(), 0, true);
+
+  // A 40-token prompt over that prefix (limit 39): its native match, the written-back 32, is cut
+  // to 39 - 9 = 30, as a conversion would be, and wins (the source's 32 cut to 30 is no longer).
+  const std::vector<int64_t> p40(tokens.begin(), tokens.begin() + 40);
+  const Load l40 = bridge.load(*tgt_, p40);
+  EXPECT_FALSE(l40.converted());
+  EXPECT_EQ(l40.tokens(), 30);
+  EXPECT_EQ(l40.recompute_tail(), 9);
+  EXPECT_EQ(l40.adapter(), adapter->fingerprint());
+  EXPECT_LT(max_rel_diff(load_kv(l40, *tgt_), token_range(ref, *tgt_, 60, 0, 30)), 1e-5);
+  // An explicit option wins here too.
+  BridgeOptions fixed;
+  fixed.recompute_tail = 2;
+  Bridge fixed_bridge(store, fixed);
+  fixed_bridge.add_adapter(adapter);
+  const Load l40_fixed = fixed_bridge.load(*tgt_, p40);
+  EXPECT_EQ(l40_fixed.tokens(), 32);  // min(32, 39 - 2)
+  EXPECT_EQ(l40_fixed.recompute_tail(), 2);
+  // A Bridge without that adapter registered does not know its tail: not cut.
+  Bridge other(store);
+  const Load l40_other = other.load(*tgt_, p40);
+  EXPECT_EQ(l40_other.tokens(), 32);
+  EXPECT_EQ(l40_other.recompute_tail(), 0);
+  EXPECT_EQ(l40_other.adapter(), adapter->fingerprint());
+
+  // The target's own entries are never cut: own chunk [0, 16), then [16, 48) written back.
+  KVStore store2(store_options());
+  Bridge bridge2(store2);
+  bridge2.add_adapter(adapter);
+  FloatKV own(*tgt_, 16);
+  own.randomize(75);
+  bridge2.save(*tgt_, std::vector<int64_t>(tokens.begin(), tokens.begin() + 16), own.view());
+  bridge2.save(*src_, tokens, src.view());
+  const Load first = bridge2.load(*tgt_, tokens);
+  ASSERT_TRUE(first.converted());
+  EXPECT_EQ(first.native_tokens(), 16);
+  ASSERT_EQ(store2.match(*tgt_, tokens).tokens(), 48);
+  // 20 tokens (limit 19, 19 - 9 = 10): the own 16 are served whole, with no provenance.
+  const Load l20 = bridge2.load(*tgt_, std::vector<int64_t>(tokens.begin(), tokens.begin() + 20));
+  EXPECT_EQ(l20.tokens(), 16);
+  EXPECT_EQ(l20.adapter(), "");
+  EXPECT_EQ(l20.recompute_tail(), 0);
+  EXPECT_EQ(load_kv(l20, *tgt_), dense(own.view()));
+  // 40 tokens: own 16 plus written-back [16, 32), cut to 30.
+  const Load l40b = bridge2.load(*tgt_, p40);
+  EXPECT_EQ(l40b.tokens(), 30);
+  EXPECT_EQ(l40b.native_tokens(), 30);
+  EXPECT_EQ(l40b.recompute_tail(), 9);
 }
 
 QualityCheck check_of(int64_t positions, int64_t agreed, double kl = 0.25, int64_t loss = 3,

@@ -145,8 +145,10 @@ def test_monitor_counts_nan_logits_as_a_failed_check_and_never_raises(pair, ship
     from kvbridge import eval as ev
     from kvbridge import monitor
 
+    # recompute_tail 0: the shipped adapter's recorded 96 would leave nothing of this prompt.
     bridge = kvbridge.Bridge(kvbridge.KVStore(64 << 20, chunk_tokens=16),
-                             min_quality=float("-inf"), min_agreement=0.5, min_checks=1)
+                             min_quality=float("-inf"), min_agreement=0.5, min_checks=1,
+                             recompute_tail=0)
     bridge.add_adapter(shipped)
     mon = monitor.QualityMonitor(bridge, {pair.target.spec: pair.target.model}, sample_rate=1.0)
     prompt = ev.text_windows(pair, "heldout", 60, 1)[0]
@@ -172,7 +174,7 @@ def test_monitor_check_failures_do_not_reach_the_load(pair, shipped, monkeypatch
     from kvbridge import monitor
 
     bridge = kvbridge.Bridge(kvbridge.KVStore(64 << 20, chunk_tokens=16),
-                             min_quality=float("-inf"))
+                             min_quality=float("-inf"), recompute_tail=0)  # 60-token prompt
     bridge.add_adapter(shipped)
     mon = monitor.QualityMonitor(bridge, {pair.target.spec: pair.target.model}, sample_rate=1.0)
     prompt = ev.text_windows(pair, "heldout", 60, 2)[1]

@@ -156,6 +156,7 @@ def test_smoke_run_results(tmp_path, monkeypatch):
     assert set(data["ttft"]["by_variant"]) == set(data["variants"])
     assert set(data["projection"]["by_source_layers"]) >= {"1", "8", "32"}
     saved = kvbridge.LinearAdapter.load(str(tmp_path / "saved.safetensors"))
+    assert saved.serving is None  # no tail lever measured (tiny_testbed has no BRIDGE_OPTIONS)
     assert saved.report["layers"][0]["source_layers"] == \
         data["variants"][data["best_variant"]]["source_layers"][0]
     assert results["best_variant"] == data["best_variant"]

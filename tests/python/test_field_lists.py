@@ -192,7 +192,7 @@ def test_bridge_option_type_errors(call):
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"recompute_tail": -1}, "recompute_tail"), ({"check_window": 0}, "check_window"),
+    ({"recompute_tail": -2}, "recompute_tail"), ({"check_window": 0}, "check_window"),
     ({"min_checks": 33}, "min_checks"), ({"min_quality": math.nan}, "NaN"),
     ({"exact_layers": -2}, "exact_layers")])
 def test_bridge_option_values(options, match):

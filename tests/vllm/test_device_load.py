@@ -32,6 +32,9 @@ def random_kv(spec, tokens, seed):
 
 
 def make_bridge(adapter, prompt, source_tokens, native_tokens, seed=0, **options):
+    # The policy cases below assume no tail unless they give one (the shipped adapter records
+    # 96: the "recompute_tail": -1 cases use it).
+    options.setdefault("recompute_tail", 0)
     store = kvbridge.KVStore(1 << 26, chunk_tokens=CHUNK)
     if source_tokens:
         store.put(adapter.source, prompt[:source_tokens],
@@ -75,6 +78,8 @@ CASES = [
     (101, 64, 64, {}),                       # as long: native only (converted must be longer)
     (96, 96, 0, {}),                         # whole prompt cached: n - 1 tokens
     (101, 96, 32, {"recompute_tail": 5}),    # converted part cut to n - 1 - 5
+    (101, 96, 0, {"recompute_tail": -1}),    # the adapter's recorded tail (96): n - 1 - 96
+    (101, 96, 32, {"recompute_tail": -1}),   # ... no longer than the native 32: native only
     (101, 96, 0, {"min_quality": 0.99}),     # under the quality gate: a miss
     (101, 96, 64, {"min_quality": 0.99}),    # under the quality gate: native only
     (101, 0, 0, {}),                         # nothing cached
@@ -89,7 +94,8 @@ def test_matches_bridge_load(adapter, n, source_tokens, native_tokens, options):
     want = bridge.load(adapter.target, prompt, NS)
     got = device_load.load(bridge, adapter.target, prompt, NS, "cpu")
     assert_same_load(got, want)
-    assert got.converted == (source_tokens > native_tokens and "min_quality" not in options)
+    assert got.converted == (source_tokens > native_tokens and "min_quality" not in options
+                             and (options.get("recompute_tail") != -1 or native_tokens == 0))
 
 
 def test_disabled_adapter_and_other_namespace(adapter):
@@ -114,6 +120,19 @@ def test_native_hit_on_written_back_entries_reports_their_adapter(adapter):
     assert_same_load(got, bridge.load(adapter.target, prompt, NS))
     bridge.invalidate_adapter(adapter)
     assert device_load.load(bridge, adapter.target, prompt, NS, "cpu").tokens == 0
+
+
+def test_written_back_entries_keep_their_adapters_tail(adapter):
+    """With the Bridge's default (each adapter's recorded tail, 96 for the shipped adapter)
+    written-back entries are cut to n - 1 - 96, as in Bridge.load."""
+    prompt = prompt_of(101)
+    bridge = make_bridge(adapter, prompt, 0, 0, recompute_tail=-1)
+    assert bridge.recompute_tail_for(adapter) == 96
+    bridge.store.put(adapter.target, prompt[:64], random_kv(adapter.target, 64, 7), NS,
+                     converted_from=adapter.source.fingerprint, adapter=adapter.fingerprint)
+    got = device_load.load(bridge, adapter.target, prompt, NS, "cpu")
+    assert (got.tokens, got.converted, got.adapter) == (4, False, adapter.fingerprint)
+    assert_same_load(got, bridge.load(adapter.target, prompt, NS))
 
 
 def test_other_targets_are_not_candidates(adapter):

@@ -151,6 +151,21 @@ def test_quality_options_pass_through_with_the_bridge_defaults():
     assert given.option("min_quality") == 0.5
 
 
+def test_recompute_tail_passes_through_with_the_adapters_own_by_default():
+    from kvbridge.vllm import options
+
+    plain = options.parse_options({}, 32)
+    assert plain.serving == () and plain.option("recompute_tail") == -1
+    bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 16, 16), **plain.bridge_options())
+    assert bridge.recompute_tail == -1  # each adapter's recorded tail
+    for value in (0, 7, -1):
+        given = options.parse_options({"recompute_tail": value}, 32)
+        assert given.bridge_options()["recompute_tail"] == value
+    for bad in (-2, 1.5, "3"):
+        with pytest.raises(ValueError, match="recompute_tail"):
+            options.parse_options({"recompute_tail": bad}, 32)
+
+
 @pytest.mark.parametrize("extra,match", [
     ({"min_agreement": "0.9"}, "min_agreement must be a number"),
     ({"min_checks": 2.5}, "min_checks must be a count"),

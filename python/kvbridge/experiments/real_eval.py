@@ -49,6 +49,7 @@ import torch
 import kvbridge
 from kvbridge import eval as kv_eval
 from kvbridge import eval_cross, models
+from kvbridge.adapter import choose_serving
 from kvbridge.experiments import corpus
 
 
@@ -74,6 +75,25 @@ class RealConfig:
     ttft_repeats: int = 3
     converted_start: bool = False      # ablation: the start token's KV converted too
     seed: int = 0
+
+
+#: --agreement-goal's default.
+DEFAULT_AGREEMENT_GOAL = 0.85
+
+
+def serving_record(results: Dict[str, Any], agreement_goal: float) -> Dict[str, Any]:
+    """The serving defaults (LinearAdapter.serving) of the results' measured tails: per tail its
+    kept, agreement, share of the prompt computed and mean prompt tokens; the least tail reaching
+    agreement_goal (kvbridge.adapter.choose_serving)."""
+    points = []
+    for r, v in results["tails"].items():
+        points.append({"recompute_tail": int(r), "kept": kv_eval._finite_or_null(v["kept"]),
+                       "agreement": kv_eval._finite_or_null(v["agreement"]),
+                       "computed_share": v["recomputed_share"],
+                       "prompt_tokens": int(round(v["prompt_tokens"] / v["windows"]))})
+    return choose_serving(points, agreement_goal,
+                          f"real eval, {next(iter(results['tails'].values()))['windows']} "
+                          "held-out windows (prompt_tokens: their mean)")
 
 
 def nearest_layers(source_layers: int, target_layers: int, k: int) -> List[List[int]]:
@@ -343,7 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text files (default: the Python standard library's source and "
                    "Debian's license texts; see kvbridge.experiments.corpus)")
     p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
-    p.add_argument("--save-adapter", metavar="PATH", help="save the fitted adapter here")
+    p.add_argument("--save-adapter", metavar="PATH",
+                   help="save the adapter here, with its serving defaults (LinearAdapter.serving) "
+                   "from the measured tails")
+    p.add_argument("--agreement-goal", type=float, default=DEFAULT_AGREEMENT_GOAL,
+                   help="the saved adapter's recorded recompute_tail is the least measured tail "
+                   "whose agreement reaches this (else the largest measured, with a note)")
     p.add_argument("--adapter", metavar="PATH", help="score this adapter instead of fitting one")
     p.add_argument("--window-bytes", type=at_least(64), default=d.window_bytes)
     p.add_argument("--continuation-share", type=float, default=d.continuation_share)
@@ -388,9 +413,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     adapter = kvbridge.LinearAdapter.load(args.adapter) if args.adapter else None
     results, adapter = evaluate(pair, config, files, adapter, progress=not args.quiet)
     if args.save_adapter:
+        serving = serving_record(results, args.agreement_goal)
+        adapter.serving = serving
+        results["serving"] = serving
         os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
         adapter.save(args.save_adapter)
         results["saved_adapter"] = args.save_adapter
+        print(f"saved the adapter to {args.save_adapter} (serving: recompute_tail "
+              f"{serving['recompute_tail']}; {serving['note']})")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
@@ -402,5 +432,5 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     return results
 
 
-__all__ = ["Pair", "RealConfig", "evaluate", "fit", "format_table", "main", "measure_ttft",
-           "nearest_layers", "prompt_of_tokens", "score"]
+__all__ = ["DEFAULT_AGREEMENT_GOAL", "Pair", "RealConfig", "evaluate", "fit", "format_table", "main", "measure_ttft",
+           "nearest_layers", "prompt_of_tokens", "score", "serving_record"]

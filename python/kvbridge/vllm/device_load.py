@@ -8,7 +8,8 @@ connector registers, which all share the served model's tokenizer:
 - candidates: the model's own cached prefix ``p_T`` and, for every registered adapter to
   exactly this spec with the same non-empty tokenizer id, quality >= ``bridge.min_quality``
   and enabled (``bridge.adapter_health()``), its source's cached prefix ``p_S``, cut to
-  ``n - 1 - recompute_tail`` when ``recompute_tail > 0``;
+  ``n - 1 - r`` when the adapter's tail ``r = bridge.recompute_tail_for(adapter)`` is > 0 (the
+  Bridge's option, or the adapter's recorded serving tail);
 - the longest wins; a converted one must be strictly longer than the native one; ties go to
   the higher quality, then to the earlier registered adapter;
 - native tokens ``[0, p_T)`` are kept as stored, source tokens ``[p_T, p_S)`` are converted
@@ -104,13 +105,19 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
     # Python's Match names only its first converted chunk's adapter: when that one is dropped,
     # none of the prefix is used (the Bridge keeps the chunks before it; this is the safe side).
     native_len = 0 if bridge.adapter_dropped(native.adapter) else min(native.tokens, limit)
-    tail = bridge.recompute_tail
+    if native.adapter and native_len:
+        # Written-back entries keep their adapter's tail. The Bridge never cuts the model's own
+        # chunks before them; Python's Match does not say where they end, so cut it all (the
+        # safe side: less served, never a converted token inside the tail).
+        tail = _tail_of(bridge, native.adapter)
+        if tail > 0:
+            native_len = max(0, min(native_len, limit - tail))
 
-    def converted_rows(source_len: int) -> int:  # the source prefix the Bridge converts
+    def converted_rows(source_len: int, tail: int) -> int:  # the source prefix the Bridge converts
         return source_len if tail == 0 else min(source_len, limit - tail)
 
-    def converted_end(source_len: int) -> int:  # the tokens of it a load returns
-        return min(converted_rows(source_len), limit)
+    def converted_end(source_len: int, tail: int) -> int:  # the tokens of it a load returns
+        return min(converted_rows(source_len, tail), limit)
 
     best: Optional[Tuple[LinearAdapter, float, int]] = None
     if native_len < limit:
@@ -118,7 +125,7 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
             probe = store.match(adapter.source, tokens, namespace, return_kv=False)
             if bridge.adapter_dropped(probe.adapter):
                 continue
-            length = converted_end(probe.tokens)
+            length = converted_end(probe.tokens, bridge.recompute_tail_for(adapter))
             if length <= native_len:
                 continue
             if best is not None and (length < best[2] or (length == best[2] and
@@ -131,7 +138,7 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
         # Read again with the KV: another process may have evicted part of it since the probe.
         found = store.match(adapter.source, tokens, namespace, device=device)
         converted_len = converted_rows(0 if bridge.adapter_dropped(found.adapter)
-                                       else found.tokens)
+                                       else found.tokens, bridge.recompute_tail_for(adapter))
         end = min(converted_len, limit)
         converted = None
         if end > native_len:
@@ -168,6 +175,17 @@ def across_tokenizers(bridge: Bridge, spec: _core.ModelSpec) -> bool:
     loads through Bridge.load (on the CPU, which aligns the tokenizations), not through `load`."""
     return any(a.target.fingerprint == spec.fingerprint and a.source.tokenizer != spec.tokenizer
                for a in bridge.adapters())
+
+
+def _tail_of(bridge: Bridge, adapter_fingerprint: str) -> int:
+    """The tail of entries whose provenance names this adapter (as the Bridge's: the option, or
+    the registered adapter's recorded tail, 0 for one not registered)."""
+    if bridge.recompute_tail >= 0:
+        return bridge.recompute_tail
+    for adapter in bridge.adapters():
+        if adapter.fingerprint == adapter_fingerprint:
+            return bridge.recompute_tail_for(adapter)
+    return 0
 
 
 def wants_device_load(layers: Optional[Sequence[Tuple[torch.Tensor, torch.Tensor]]]) -> bool:

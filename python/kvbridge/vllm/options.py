@@ -17,8 +17,11 @@ from kvbridge._core import InvalidArgumentError
 #: The Bridge's quality-fallback options the connector passes through (kvbridge.monitor): an
 #: adapter whose rolling shadow-check agreement falls below min_agreement is disabled.
 QUALITY_KEYS = ("min_agreement", "check_window", "min_checks")
+#: The Bridge's serving options the connector passes through. recompute_tail not given: the
+#: Bridge's default, -1, each adapter's own recorded tail (LinearAdapter.serving, 0 without one).
+SERVING_KEYS = ("recompute_tail",)
 CONNECTOR_KEYS = ("namespace", "adapters", "tokenizers", "min_quality", "write_back", "model_name",
-                  "version", "tokenizer", "layout") + QUALITY_KEYS
+                  "version", "tokenizer", "layout") + QUALITY_KEYS + SERVING_KEYS
 #: Default memory tier of the connector's store.
 DEFAULT_CAPACITY_BYTES = 1 << 30
 _KV_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -48,6 +51,8 @@ class ConnectorOptions:
         the paged layout ("cpu" / "split"; default by device);
     quality: QUALITY_KEYS given in the extra config, by name (the others keep the Bridge's
         defaults, kvbridge.Bridge.OPTIONS); see bridge_options().
+    serving: SERVING_KEYS given in the extra config, by name (recompute_tail: an int >= 0 for
+        every adapter, or -1; not given, the Bridge's default: each adapter's recorded tail).
     """
 
     store: Tuple[Tuple[str, Any], ...]
@@ -62,12 +67,14 @@ class ConnectorOptions:
     layout: Optional[str] = None
     chunk_tokens: int = 0
     quality: Tuple[Tuple[str, Any], ...] = ()
+    serving: Tuple[Tuple[str, Any], ...] = ()
 
     def bridge_options(self) -> Dict[str, Any]:
         """The kvbridge.Bridge keyword options of this config (the Bridge's defaults for keys not
         given)."""
         out: Dict[str, Any] = {"min_quality": self.min_quality, "write_back": self.write_back}
         out.update(self.quality)
+        out.update(self.serving)
         return out
 
     def option(self, name: str) -> Any:
@@ -154,6 +161,16 @@ def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> Connec
                 raise InvalidArgumentError(f"KVBridgeConnector: {key} must be {_KIND_WORDS[kind]}, "
                                            f"got {extra[key]!r}") from None
     _check_quality(quality)
+    serving: Dict[str, Any] = {}
+    for key in SERVING_KEYS:
+        if key in extra:
+            from kvbridge.bridge import check_option
+
+            try:
+                serving[key] = check_option(key, _BRIDGE_OPTIONS[key][0], extra[key])
+            except (TypeError, ValueError) as e:
+                raise InvalidArgumentError(f"KVBridgeConnector: bad {key} {extra[key]!r}: {e}") \
+                    from None
     return ConnectorOptions(
         store=tuple(sorted(store.items())), namespace=namespace,
         adapters=tuple(os.path.abspath(os.fspath(p)) for p in adapters),
@@ -161,7 +178,7 @@ def parse_options(extra: Optional[Mapping[str, Any]], block_size: int) -> Connec
         min_quality=min_quality, write_back=write_back,
         model_name=extra.get("model_name"), version=extra.get("version"),
         tokenizer=extra.get("tokenizer"), layout=layout, chunk_tokens=int(store["chunk_tokens"]),
-        quality=tuple(sorted(quality.items())))
+        quality=tuple(sorted(quality.items())), serving=tuple(sorted(serving.items())))
 
 
 _KIND_WORDS = {"float": "a number", "int": "a count (int)", "bool": "a bool"}
@@ -232,5 +249,5 @@ def engine_spec(hf_config: Any, model: str, tokenizer: Optional[str], served_nam
                                   version=version, tokenizer=tok)
 
 
-__all__ = ["CONNECTOR_KEYS", "QUALITY_KEYS", "ConnectorOptions", "DEFAULT_CAPACITY_BYTES", "engine_spec",
+__all__ = ["CONNECTOR_KEYS", "QUALITY_KEYS", "SERVING_KEYS", "ConnectorOptions", "DEFAULT_CAPACITY_BYTES", "engine_spec",
            "kv_dtype_name", "parse_options"]

@@ -1,0 +1,239 @@
+"""Serving defaults: an adapter's recorded tail recompute (LinearAdapter.serving) through the
+file, the Bridge's default (recompute_tail -1: the adapter's own), explicit options, written-back
+hits, the evals that record it, and the shipped testbed adapters' records."""
+import math
+
+import pytest
+import torch
+
+import kvbridge
+from kvbridge.adapter import choose_serving
+from conftest import random_kv
+from test_bridge import SRC, TGT, fit_planted, make_bridge, max_rel_diff, prefix, tokens_of
+
+RECORD = {"recompute_tail": 9, "agreement_goal": 0.875, "note": "planted",
+          "measured": [{"recompute_tail": 0, "kept": 0.5, "agreement": 0.8,
+                        "computed_share": 1 / 53, "prompt_tokens": 53},
+                       {"recompute_tail": 4, "kept": None, "agreement": 0.84,
+                        "computed_share": 5 / 53, "prompt_tokens": 53},
+                       {"recompute_tail": 9, "kept": 0.95, "agreement": 0.89,
+                        "computed_share": 10 / 53, "prompt_tokens": 53}]}
+
+
+@pytest.fixture()
+def adapter(tmp_path):
+    """A fresh planted adapter per test (its serving record is mutable)."""
+    path = tmp_path / "planted.safetensors"
+    fit_planted(SRC, TGT, 1).save(path)
+    return kvbridge.LinearAdapter.load(path)
+
+
+def test_record_round_trips_and_keeps_the_fingerprint(adapter, tmp_path):
+    assert adapter.serving is None
+    fp = adapter.fingerprint
+    adapter.serving = RECORD
+    assert adapter.serving == RECORD
+    assert adapter.fingerprint == fp
+    adapter.save(tmp_path / "a.safetensors")
+    back = kvbridge.LinearAdapter.load(tmp_path / "a.safetensors")
+    assert back.serving == RECORD and back.fingerprint == fp
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert "serving" in meta and meta["checksum"] != fp  # checksummed, not the identity
+    # Only the tail is required; clearing writes the plain file again.
+    adapter.serving = {"recompute_tail": 3}
+    assert adapter.serving == {"recompute_tail": 3, "agreement_goal": None, "measured": [],
+                               "note": ""}
+    adapter.serving = None
+    adapter.save(tmp_path / "b.safetensors")
+    with safe_open(str(tmp_path / "b.safetensors"), "pt") as f:
+        assert "serving" not in f.metadata() and f.metadata()["checksum"] == fp
+    assert kvbridge.LinearAdapter.load(tmp_path / "b.safetensors").serving is None
+
+
+@pytest.mark.parametrize("value, error", [
+    ({"recompute_tail": -1}, kvbridge.InvalidArgumentError),
+    ({"agreement_goal": 0.9}, kvbridge.InvalidArgumentError),  # no tail
+    ({"recompute_tail": 1, "agreement_goal": 1.5}, kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "tail": 2}, kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "measured": [{"recompute_tail": 0, "agreement": -0.5}]},
+     kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "measured": [{"recompute_tail": 0, "kept": math.inf}]},
+     kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "measured": [{"kept": 0.5}]}, kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1.0}, TypeError),
+    ({"recompute_tail": 1, "measured": {"recompute_tail": 0}}, TypeError),
+    ({"recompute_tail": 1, "note": 3}, TypeError),
+    ([("recompute_tail", 1)], TypeError)])
+def test_bad_records_are_refused(adapter, value, error):
+    adapter.serving = RECORD
+    with pytest.raises(error):
+        adapter.serving = value
+    assert adapter.serving == RECORD  # unchanged
+
+
+def test_bridge_serves_with_the_adapters_tail(adapter):
+    tokens = tokens_of(53, 11)  # the source caches 48 (whole chunks); limit 52
+    src_kv = random_kv(SRC, 53, seed=12)
+    adapter.serving = RECORD
+    bridge = make_bridge(adapter)
+    assert bridge.recompute_tail == -1 and bridge.recompute_tail_for(adapter) == 9
+    bridge.save(SRC, tokens, src_kv)
+    hit = bridge.load(TGT, tokens)
+    assert hit.converted and hit.tokens == 43 and hit.recompute_tail == 9  # 52 - 9
+    ref = adapter.convert(prefix(src_kv, 0, 48), reference=True)
+    assert max_rel_diff(hit.kv, prefix(ref, 0, 43)) < 1e-5
+    # An explicit option wins; without a record the tail is 0.
+    for options, tail, tokens_loaded in (({"recompute_tail": 0}, 0, 48),
+                                         ({"recompute_tail": 5}, 5, 47)):
+        b = make_bridge(adapter, **options)
+        b.save(SRC, tokens, src_kv)
+        got = b.load(TGT, tokens)
+        assert (got.tokens, got.recompute_tail, b.recompute_tail_for(adapter)) == \
+            (tokens_loaded, tail, tail)
+    adapter.serving = None
+    b = make_bridge(adapter)
+    b.save(SRC, tokens, src_kv)
+    assert (b.load(TGT, tokens).tokens, b.recompute_tail_for(adapter)) == (48, 0)
+
+
+def test_written_back_hits_keep_the_tail(adapter):
+    adapter.serving = RECORD
+    bridge = make_bridge(adapter)
+    tokens = tokens_of(60, 13)
+    src_kv = random_kv(SRC, 60, seed=14)
+    bridge.save(SRC, tokens, src_kv)
+    assert bridge.load(TGT, tokens).tokens == 48  # min(48, 59 - 9), written back
+    shorter = tokens[:40]  # native match 32 (written back), limit 39: cut to 30
+    hit = bridge.load(TGT, shorter)
+    assert (hit.converted, hit.tokens, hit.recompute_tail, hit.adapter) == \
+        (False, 30, 9, adapter.fingerprint)
+    ref = adapter.convert(prefix(src_kv, 0, 48), reference=True)
+    assert max_rel_diff(hit.kv, prefix(ref, 0, 30)) < 1e-5
+    # With tail 0 (the old default) the whole written-back 32 would be served.
+    zero = kvbridge.Bridge(bridge.store, recompute_tail=0)
+    zero.add_adapter(adapter)
+    assert zero.load(TGT, shorter).tokens == 32
+
+
+def test_record_changes_apply_to_later_loads(adapter):
+    bridge = make_bridge(adapter, write_back=False)
+    tokens = tokens_of(53, 15)
+    bridge.save(SRC, tokens, random_kv(SRC, 53, seed=16))
+    assert bridge.load(TGT, tokens).tokens == 48
+    adapter.serving = {"recompute_tail": 20}
+    assert bridge.load(TGT, tokens).tokens == 32
+
+
+def test_choose_serving():
+    points = [{"recompute_tail": 64, "agreement": 0.9888}, {"recompute_tail": 0, "agreement": 0.97},
+              {"recompute_tail": 96, "agreement": 0.9905}, {"recompute_tail": 32,
+                                                             "agreement": None}]
+    got = choose_serving(points, 0.99, "run")
+    assert got["recompute_tail"] == 96 and got["agreement_goal"] == 0.99
+    assert [p["recompute_tail"] for p in got["measured"]] == [0, 32, 64, 96]
+    assert got["note"].startswith("run; least measured")
+    assert choose_serving(points, 0.95)["recompute_tail"] == 0
+    missed = choose_serving(points, 0.999)
+    assert missed["recompute_tail"] == 96 and "no measured tail reached" in missed["note"]
+    with pytest.raises(kvbridge.InvalidArgumentError):
+        choose_serving([], 0.9)
+
+
+def test_real_eval_records_the_least_tail_reaching_the_goal():
+    from kvbridge.experiments import real_eval
+
+    results = {"tails": {str(r): {"kept": k, "agreement": a, "recomputed_share": s,
+                                  "prompt_tokens": 900, "windows": 3}
+                         for r, k, a, s in ((0, 0.48, 0.80, 0.003), (16, 0.6, 0.84, 0.06),
+                                            (64, 0.73, 0.89, 0.22))}}
+    rec = real_eval.serving_record(results, real_eval.DEFAULT_AGREEMENT_GOAL)
+    assert rec["recompute_tail"] == 64 and rec["agreement_goal"] == 0.85
+    assert rec["measured"][1] == {"recompute_tail": 16, "kept": 0.6, "agreement": 0.84,
+                                  "computed_share": 0.06, "prompt_tokens": 300}
+    assert real_eval.serving_record(results, 0.8)["recompute_tail"] == 0
+    assert "no measured tail" in real_eval.serving_record(results, 0.95)["note"]
+    parser = real_eval.build_parser()
+    args = parser.parse_args(["--source", "a", "--target", "b", "--agreement-goal", "0.7"])
+    assert args.agreement_goal == 0.7
+
+
+def test_shipped_adapters_carry_their_record():
+    from kvbridge import eval as ev
+    from kvbridge import eval_cross, testbed
+
+    ab = kvbridge.LinearAdapter.load(ev.DEFAULT_ADAPTER)
+    assert ab.serving["recompute_tail"] == testbed.BRIDGE_OPTIONS["recompute_tail"] == 96
+    assert ab.serving["agreement_goal"] == testbed.SERVING_AGREEMENT_GOAL
+    curve = {p["recompute_tail"]: p for p in ab.serving["measured"]}
+    assert sorted(curve) == [0, 1, 4, 16, 32, 64, 96]
+    # The recorded figures (benchmarks/recorded/120-quality-levers.md, Run 2).
+    assert curve[96]["agreement"] == pytest.approx(0.9905, abs=5e-5)
+    assert curve[64]["agreement"] < 0.99 <= curve[96]["agreement"]
+    assert curve[0]["kept"] == pytest.approx(0.9898, abs=5e-5)
+    assert curve[96]["prompt_tokens"] == 192
+    assert curve[96]["computed_share"] == pytest.approx(97 / 192)
+    ac = kvbridge.LinearAdapter.load(eval_cross.DEFAULT_CROSS_ADAPTER)
+    assert ac.serving["recompute_tail"] == 0
+    assert [p["recompute_tail"] for p in ac.serving["measured"]] == [0]
+    assert ac.serving["measured"][0]["agreement"] == pytest.approx(0.851, abs=5e-4)
+
+
+def test_shipped_adapter_default_reproduces_bridge_options():
+    """A plain Bridge() serves the shipped adapter as Bridge(**testbed.BRIDGE_OPTIONS) does."""
+    from kvbridge import eval as ev
+    from kvbridge import testbed
+
+    pair = testbed.load_pair()
+    shipped = ev.load_adapter(ev.DEFAULT_ADAPTER, pair)
+    loads = {}
+    for name, options in (("default", {}), ("options", testbed.BRIDGE_OPTIONS),
+                          ("zero", {"recompute_tail": 0})):
+        bridge = kvbridge.Bridge(kvbridge.KVStore(64 << 20, chunk_tokens=16), **options)
+        bridge.add_adapter(shipped)
+        got = []
+        for i, text in enumerate(testbed.texts("heldout")[:40]):
+            ids = pair.tokenizer.encode(text)[:200]
+            if len(ids) < 120:
+                continue
+            bridge.save(pair.source.spec, ids, ev.prefix_kv(pair.source.model, ids))
+            got.append(bridge.load(pair.target.spec, ids))
+        loads[name] = got
+    assert len(loads["default"]) >= 3
+    for d, o, z in zip(loads["default"], loads["options"], loads["zero"]):
+        assert d.converted and d.recompute_tail == o.recompute_tail == 96
+        assert d.tokens == o.tokens < z.tokens
+        for (k, v), (k0, v0) in zip(d.kv, o.kv):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_kvbridge_eval_saves_the_serving_record(tmp_path, monkeypatch):
+    import tiny_testbed
+    from kvbridge import eval as ev
+
+    tiny_testbed.install(monkeypatch)
+    path = tmp_path / "saved.safetensors"
+    results = ev.main(["--out", str(tmp_path / "out"), "--train-windows", "8",
+                       "--heldout-windows", "2", "--window-tokens", "40",
+                       "--continuation-tokens", "8", "--ttft-lengths", "32", "--ttft-repeats",
+                       "1", "--chunk-tokens", "8", "--variants", "rope_auto", "--quiet",
+                       "--tail-tokens", "0", "4", "8", "--exact-layers", "0", "1",
+                       "--agreement-goal", "0.5", "--save-adapter", str(path)])
+    rows = {r["recompute_tail"]: r for r in results["levers"]["rows"] if r["exact_layers"] == 0}
+    saved = kvbridge.LinearAdapter.load(path)
+    record = saved.serving
+    assert record == results["saved_adapter"]["serving"]
+    assert record["agreement_goal"] == 0.5
+    assert [p["recompute_tail"] for p in record["measured"]] == [0, 4, 8]  # exact_layers 0 only
+    for p in record["measured"]:
+        r = rows[p["recompute_tail"]]
+        assert p["agreement"] == pytest.approx(r["agreement"])
+        assert p["prompt_tokens"] == 32
+        assert p["computed_share"] == pytest.approx((p["recompute_tail"] + 1) / 32)
+    reached = [t for t in (0, 4, 8) if rows[t]["agreement"] >= 0.5]
+    assert record["recompute_tail"] == (reached[0] if reached else 8)
+    # A plain Bridge now serves it with that tail.
+    bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 20, chunk_tokens=8))
+    assert bridge.recompute_tail_for(saved) == record["recompute_tail"]
