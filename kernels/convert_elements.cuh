@@ -89,13 +89,19 @@ KVB_HD float from_float<float>(float v) {
 #if defined(__CUDACC__)
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+// Saturating, as the CPU path's store_plane (src/core/dtype_convert.h): a finite value past the
+// type's range becomes its largest finite value, so finite input never converts to an infinity;
+// NaN and infinities pass through.
+KVB_HD float saturate(float v, float largest) {
+  return isfinite(v) ? fminf(fmaxf(v, -largest), largest) : v;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
+  return __float2bfloat16_rn(saturate(v, 3.38953139e38f));  // bits 0x7f7f
 }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
+  return __float2half_rn(saturate(v, 65504.0f));
 }
 #endif
 

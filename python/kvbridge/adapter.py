@@ -95,7 +95,7 @@ class LinearAdapter:
             alignment = _args.alignment("alignment", alignment)
         out = self._convert(check_kv(source_kv), start_pos, _args.flag("reference", reference),
                             alignment, target_start_pos)
-        return legacy_to_cache(out) if as_cache else out
+        return legacy_to_cache(out, self.target) if as_cache else out
 
     def _convert(self, pairs, start_pos: int, reference: bool, alignment: Optional[List[int]] = None,
                  target_start_pos: int = 0) -> KVCache:

@@ -58,6 +58,13 @@ class Bridge:
     target layer's key and value maps of its fit report; adapters under `min_quality` may be
     registered but are never used (stats()["adapters_skipped_quality"] counts each pass-over).
 
+    The start token. At position 0 a causal model's KV depends on the token alone, and it is the
+    token every later one attends to most (the attention sink), where a conversion's error costs
+    the most: loads holding converted tokens take the first token's KV from the target's own
+    (add_start; save() registers the first token of each prompt a model saves of its own) when
+    the prompt opens with that token. On SmolLM2-135M -> Gemma-3-270M this alone raised kept from
+    0.58 to 0.64 (benchmarks/recorded/210-real-pairs.md).
+
     Models with different tokenizers: register each model's tokenizer (add_tokenizer) and an
     adapter fitted on aligned samples (AdapterFitter(alignment_policy=...)); load() then also
     serves the target from the source's cache of the same text (see load()). Thread-safe.
@@ -86,6 +93,8 @@ class Bridge:
         self._store = store
         self._exact_layers = _args.size("exact_layers", options["exact_layers"])
         self._tokenizers: Dict[str, Tuple[str, Any]] = {}  # model name -> (tokenizer id, tokenizer)
+        # (fingerprint, token id) -> the model's own one-token KV at position 0 (add_start)
+        self._starts: Dict[Tuple[str, int], KVCache] = {}
         self._lock = threading.Lock()
         self._tokenizer_errors = 0  # guarded by _lock
         self._native = _core.Bridge(store._store, **{
@@ -243,9 +252,44 @@ class Bridge:
         ids = as_tokens(tokens)
         pairs = host_kv(kv)
         keys, values = kv_views(pairs)
-        return self._native.save(spec, ids, keys, values, _args.text("namespace", namespace),
-                                 _args.text("converted_from", converted_from),
-                                 _args.text("adapter", adapter))
+        stored = self._native.save(spec, ids, keys, values, _args.text("namespace", namespace),
+                                   _args.text("converted_from", converted_from),
+                                   _args.text("adapter", adapter))
+        if stored and not adapter and not converted_from:
+            self._remember_start(spec, int(ids[0]), pairs)
+        return stored
+
+    def add_start(self, spec: _core.ModelSpec, token_id: int, kv: KVCache) -> None:
+        """Registers the model's own KV of the token `token_id` at position 0 (a one-token
+        prefill, or the first token of any prefill: at position 0 a causal model's KV depends on
+        that token alone). Loads of `spec` that hold converted tokens and whose prompt opens with
+        `token_id` get that first token's KV from here instead of from the conversion (see
+        load()). save() registers the first token of every prompt a model saves of its own."""
+        self._remember_start(spec, _args.size("token_id", token_id), host_kv(kv), replace=True)
+
+    def _remember_start(self, spec: _core.ModelSpec, token_id: int, pairs: Any,
+                        replace: bool = False) -> None:
+        key = (spec.fingerprint, token_id)
+        with self._lock:
+            if key in self._starts and not replace:
+                return
+        if len(pairs) != spec.num_layers:
+            raise _core.InvalidArgumentError(f"kv: expected {spec.num_layers} layers, got {len(pairs)}")
+        first = tuple((k[:, :, :1].detach().to("cpu", copy=True),
+                       v[:, :, :1].detach().to("cpu", copy=True)) for k, v in pairs)
+        with self._lock:
+            self._starts[key] = first
+
+    def _own_start(self, spec: _core.ModelSpec, ids: Any, kv: KVCache) -> KVCache:
+        """kv with its first token's KV the model's own (add_start), where one is known."""
+        with self._lock:
+            start = self._starts.get((spec.fingerprint, int(ids[0])))
+        if start is None:
+            return kv
+        for (k, v), (sk, sv) in zip(kv, start):
+            k[:, :, :1] = sk.to(k.dtype)
+            v[:, :, :1] = sv.to(v.dtype)
+        return kv
 
     def load(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default", *,
              return_kv: bool = True,
@@ -284,6 +328,8 @@ class Bridge:
             kv = empty_kv(spec, found.tokens)
             keys, values = kv_views(kv)
             found.copy_to(keys, values)
+            if found.adapter:
+                kv = self._own_start(spec, ids, kv)
             if model is not None and self._exact_layers and found.adapter:
                 from kvbridge import exact
 
@@ -291,7 +337,7 @@ class Bridge:
             if device is not None and torch.device(device).type != "cpu":
                 kv = tuple((k.to(device), v.to(device)) for k, v in kv)
             if as_cache:
-                kv = legacy_to_cache(kv)
+                kv = legacy_to_cache(kv, spec)
         return Load(found.tokens, kv, found.source, found.converted, found.native_tokens,
                     found.quality, found.converted_from, found.adapter)
 

@@ -49,6 +49,10 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 #: File a converted folder records its origin in (name, GGUF file and its SHA-256).
 MARKER_FILE = "kvbridge.json"
+#: Layout of the folders convert_gguf writes; a folder of an older layout is converted again.
+#: 2: config names its architecture, tied weights stored under the embedding's name (vLLM reads
+#: both).
+FOLDER_FORMAT = 2
 
 
 class ModelNotInstalledError(NotFoundError):
@@ -262,7 +266,7 @@ def convert_gguf(gguf: PathLike, out: PathLike, name: str = "", start_token: str
         # without reading half a gigabyte again at each start.
         weights = {p.name: [p.stat().st_size, specs.file_hash(p)]
                    for p in sorted(tmp.iterdir()) if p.name.endswith(specs.WEIGHT_SUFFIXES)}
-        marker = {"name": name or gguf.stem, "gguf": gguf.name, "gguf_sha256": _sha256(gguf),
+        marker = {"format": FOLDER_FORMAT, "name": name or gguf.stem, "gguf": gguf.name, "gguf_sha256": _sha256(gguf),
                   "start_token": start_token, "weights": weights}
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=1) + "\n")
         if out.exists():  # another process converted it meanwhile
@@ -277,6 +281,23 @@ def convert_gguf(gguf: PathLike, out: PathLike, name: str = "", start_token: str
     return out
 
 
+def _current(folder: pathlib.Path) -> bool:
+    """Whether `folder` is a converted folder of the current FOLDER_FORMAT."""
+    try:
+        return json.loads((folder / MARKER_FILE).read_text()).get("format") == FOLDER_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _reconvert(folder: pathlib.Path, log: Callable[[str], None]) -> None:
+    """Moves a converted folder of an older layout aside (then deletes it) so it is written again."""
+    if (folder / "config.json").is_file() and not _current(folder):
+        log(f"kvbridge.models: {folder} was written by an older kvbridge; converting again")
+        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+        os.replace(folder, old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def resolve(source: PathLike, install_missing: bool = False,
             log: Callable[[str], None] = print) -> pathlib.Path:
     """The Hugging Face folder of `source` (a folder, a GGUF file or a short name), converting a
@@ -285,6 +306,7 @@ def resolve(source: PathLike, install_missing: bool = False,
     if text in KNOWN_MODELS:
         known = KNOWN_MODELS[text]
         folder = models_dir() / text
+        _reconvert(folder, log)
         if not (folder / "config.json").is_file():
             convert_gguf(gguf_path(text, install_missing, log), folder, name=text,
                          start_token=known.start_token, log=log)
@@ -297,6 +319,7 @@ def resolve(source: PathLike, install_missing: bool = False,
     if path.is_file() and path.suffix == ".gguf":
         digest = _sha256(path)[:16]
         folder = models_dir() / f"{path.stem}-{digest}"
+        _reconvert(folder, log)
         if not (folder / "config.json").is_file():
             convert_gguf(path, folder, log=log)
         return folder
@@ -333,6 +356,6 @@ def load(source: PathLike, dtype: str = "float32", install_missing: bool = False
     return LoadedModel(spec.name, model, tokenizer, spec, folder)
 
 
-__all__ = ["KNOWN_MODELS", "KnownModel", "LoadedModel", "MARKER_FILE", "ModelNotInstalledError",
+__all__ = ["FOLDER_FORMAT", "KNOWN_MODELS", "KnownModel", "LoadedModel", "MARKER_FILE", "ModelNotInstalledError",
            "convert_gguf", "gguf_path", "install", "install_command", "installed", "load",
            "models_dir", "resolve"]

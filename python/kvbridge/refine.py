@@ -43,21 +43,23 @@ from kvbridge._tensors import KVCache
 from kvbridge.adapter import LinearAdapter
 
 
-def _rope_tables(spec: Any, positions: torch.Tensor, dtype: torch.dtype):
-    if spec.rope_scaling.type != "none":
-        raise InvalidArgumentError(f"refine: RoPE scaling {spec.rope_scaling.type!r} of {spec.name} is not "
+def _rope_tables(spec: Any, layer: int, positions: torch.Tensor, dtype: torch.dtype):
+    attention = spec.layer(layer)  # the layer's own RoPE (ModelSpec.layer_attention)
+    if attention.rope_scaling.type != "none":
+        raise InvalidArgumentError(f"refine: RoPE scaling {attention.rope_scaling.type!r} of {spec.name} is not "
                          "supported (only unscaled RoPE)")
     d = spec.head_dim
-    inv = 1.0 / spec.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    inv = 1.0 / attention.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = positions.to(torch.float64)[:, None] * inv[None, :]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def rope(x: torch.Tensor, spec: Any, start_pos: int, inverse: bool = False) -> torch.Tensor:
-    """Rotates x [..., tokens, head_dim] with spec's RoPE at positions start_pos, ... (inverse:
-    un-rotates)."""
+def rope(x: torch.Tensor, spec: Any, start_pos: int, inverse: bool = False,
+         layer: int = 0) -> torch.Tensor:
+    """Rotates x [..., tokens, head_dim] with the RoPE of spec's layer `layer` at positions
+    start_pos, ... (inverse: un-rotates)."""
     t = x.shape[-2]
-    cos, sin = _rope_tables(spec, torch.arange(start_pos, start_pos + t), x.dtype)
+    cos, sin = _rope_tables(spec, layer, torch.arange(start_pos, start_pos + t), x.dtype)
     if inverse:
         sin = -sin
     if spec.rope_style == "half":
@@ -102,10 +104,10 @@ class TorchAdapter(torch.nn.Module):
         """Per source layer [tokens, 2 * width]: its (un-rotated) keys, then its values."""
         dtype = self.weights[0].dtype
         out = []
-        for k, v in src:
+        for l, (k, v) in enumerate(src):
             k = k[0].to(dtype)  # [heads, tokens, dim]
             if self.rope_aware:
-                k = rope(k, self.source, start_pos, inverse=True)
+                k = rope(k, self.source, start_pos, inverse=True, layer=l)
             t = k.shape[1]
             out.append(torch.cat([k.transpose(0, 1).reshape(t, -1),
                                   v[0].to(dtype).transpose(0, 1).reshape(t, -1)], dim=1))
@@ -125,11 +127,11 @@ class TorchAdapter(torch.nn.Module):
         """The target's legacy KV (float32, [1, kv_heads, tokens, head_dim]), differentiable."""
         h, d = self.target.num_kv_heads, self.target.head_dim
         out = []
-        for key, value in self.position_free(src, start_pos):
+        for j, (key, value) in enumerate(self.position_free(src, start_pos)):
             t = key.shape[0]
             key = key.view(t, h, d).transpose(0, 1)
             if self.rope_aware:
-                key = rope(key, self.target, start_pos)
+                key = rope(key, self.target, start_pos, layer=j)
             out.append((key.unsqueeze(0).float(), value.view(t, h, d).transpose(0, 1)
                         .unsqueeze(0).float()))
         return tuple(out)
@@ -146,8 +148,8 @@ class TorchAdapter(torch.nn.Module):
         for src, tgt in pairs:
             pred = self.position_free(src)
             for j, (k, v) in enumerate(tgt):
-                kf = rope(k[0].double(), self.target, 0, inverse=True) if self.rope_aware \
-                    else k[0].double()
+                kf = rope(k[0].double(), self.target, 0, inverse=True, layer=j) \
+                    if self.rope_aware else k[0].double()
                 for i, y in enumerate((kf, v[0].double())):
                     y = y.transpose(0, 1).reshape(y.shape[1], -1)
                     sse[j, i] += float(((y - pred[j][i].double()) ** 2).sum())

@@ -134,7 +134,13 @@ void ModelSpec::validate() const {
 LayerAttention ModelSpec::layer(int64_t l) const {
   KVB_CHECK(l >= 0 && l < num_layers,
             "ModelSpec.layer: no layer " << l << " in a spec of " << num_layers << " layers");
-  if (!layer_attention.empty()) return layer_attention.at(static_cast<size_t>(l));
+  if (!layer_attention.empty()) {
+    // Only a spec that fails validate() can lack the entry.
+    KVB_CHECK(static_cast<size_t>(l) < layer_attention.size(),
+              "ModelSpec.layer: layer_attention has " << layer_attention.size()
+                                                      << " entries, not one per layer");
+    return layer_attention[static_cast<size_t>(l)];
+  }
   LayerAttention a;
   a.rope_base = rope_base;
   a.rope_scaling = rope_scaling;

@@ -36,5 +36,17 @@ TEST(FuzzRegressions, AdapterFileWithAHugeHeadDimIsCorrupt) {
             LinearAdapter::load(kCorpus + "/adapter_file/two-to-one.safetensors").fingerprint());
 }
 
+// The per-layer attention seed (no checksum, like the fuzzer's inputs) loads with its entries.
+TEST(FuzzRegressions, LayeredSeedLoads) {
+  AdapterLoadOptions options;
+  options.allow_unchecked = true;
+  const LinearAdapter a =
+      LinearAdapter::load(kCorpus + "/adapter_file/layered-unchecked.safetensors", options);
+  ASSERT_EQ(a.source().layer_attention.size(), 2u);
+  EXPECT_EQ(a.source().layer_attention[0].sliding_window, 8);
+  EXPECT_EQ(a.source().layer_attention[1].rope_base, 1e6);
+  EXPECT_EQ(a.target().layer(0).rope_base, 5e5);
+}
+
 }  // namespace
 }  // namespace kvbridge

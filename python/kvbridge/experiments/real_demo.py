@@ -180,6 +180,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     for m in (pair.source, pair.target):
         bridge.add_tokenizer(m.spec, m.tokenizer)
     bridge.add_adapter(adapter)
+    # The target's own start-token KV (a one-token prefill; Bridge.save of any of its own
+    # prompts would register it too): converted loads open with it.
+    bridge.add_start(pair.target.spec, pair.target.bos_id, real_eval.start_kv(pair.target))
     _, heldout = corpus.split_files(corpus.default_files(), config.heldout_share, config.seed)
     texts = sorted((corpus.read_text(p) for p in heldout), key=len, reverse=True)
     prompts = [run_prompt(bridge, pair, texts[i % len(texts)], n, args.continuation_tokens,

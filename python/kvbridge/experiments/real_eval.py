@@ -23,7 +23,9 @@ last r + 1. ``L_own``: the target's own prefill of the cached prompt tokens; ``L
 source's prefill of the same text, converted; ``L_none``: the start token alone before the
 continuation. ``kept = (L_none - L_conv) / (L_none - L_own)``, pooled over all continuation
 tokens; ``agreement``: share of continuation positions whose greedy token with the converted
-cache equals the one with the target's own (teacher forced).
+cache equals the one with the target's own (teacher forced). The converted cache's first token
+(the start token) is the target's own KV of it, as kvbridge.Bridge serves it (Bridge.add_start);
+``--converted-start`` scores the conversion of it too, as an ablation.
 
 TTFT ratio. For prompts of about ``ttft_tokens`` target tokens cut from held-out text: the
 target's own prefill and first token, against aligning both tokenizations, converting the
@@ -70,6 +72,7 @@ class RealConfig:
     tails: List[int] = field(default_factory=lambda: [0, 16, 64])
     ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
     ttft_repeats: int = 3
+    converted_start: bool = False      # ablation: the start token's KV converted too
     seed: int = 0
 
 
@@ -113,11 +116,31 @@ def fit(pair: Pair, texts: Sequence[str], config: RealConfig,
     return fitter.fit()
 
 
+def start_kv(model: models.LoadedModel) -> kv_eval.KVCache:
+    """The model's own KV of its start token at position 0: the same in every prompt."""
+    return kv_eval.prefix_kv(model.model, [model.bos_id])
+
+
+def with_own_start(kv: kv_eval.KVCache, start: kv_eval.KVCache) -> kv_eval.KVCache:
+    """`kv` with its first token's KV replaced by the target's own start-token KV."""
+    out = []
+    for (k, v), (sk, sv) in zip(kv, start):
+        k, v = k.clone(), v.clone()
+        k[:, :, :1], v[:, :, :1] = sk, sv
+        out.append((k, v))
+    return tuple(out)
+
+
 def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], share: float,
-          tails: Sequence[int], progress: bool = True) -> Dict[int, Dict[str, Any]]:
-    """Pooled kept / agreement / losses per tail recompute length (module docstring)."""
+          tails: Sequence[int], progress: bool = True,
+          own_start: bool = True) -> Dict[int, Dict[str, Any]]:
+    """Pooled kept / agreement / losses per tail recompute length (module docstring).
+    own_start: the start token's KV is the target's own (start_kv), as kvbridge.Bridge serves
+    it (Bridge.add_start); False scores the conversion of the start token too (an ablation)."""
     src_m, tgt_m = pair.source, pair.target
+    start = start_kv(tgt_m)
     sums = {r: kv_eval.Sums() for r in tails}
+    computed = {r: 0 for r in tails}  # prompt tokens the target computes itself, per tail
     windows = prefix_tokens = 0
     for text in kv_eval.progress_items(texts, progress, desc="held-out windows"):
         split = eval_cross.split_window(tgt_m.tokenizer, text, share)
@@ -133,8 +156,11 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
                                     split.target.roles[:p - 1])
         index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
         conv = adapter.convert(kv_eval.prefix_kv(src_m.model, src.ids), alignment=index)
+        if own_start:
+            conv = with_own_start(conv, start)
         for r in tails:
             keep = max(1, p - 1 - r)  # the start token always comes from the cache
+            computed[r] += p - keep
             part = tuple((k[:, :, :keep], v[:, :, :keep]) for k, v in conv)
             logits_conv, _ = kv_eval.forward(tgt_m.model, ids[keep:-1], part)
             sums[r].add(logits_own, logits_conv[-len(targets):], logits_none, targets)
@@ -143,7 +169,8 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
     if not windows:
         raise kvbridge.InvalidArgumentError("no held-out window could be split (too short for the share)")
     return {r: {**s.metrics(), "tail": r, "windows": windows, "prefix_tokens": prefix_tokens,
-                "recomputed_share": (min(r, prefix_tokens) + windows) / (prefix_tokens + windows)}
+                "prompt_tokens": prefix_tokens + windows,
+                "recomputed_share": computed[r] / (prefix_tokens + windows)}
             for r, s in sums.items()}
 
 
@@ -162,6 +189,7 @@ def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[
                  repeats: int) -> List[Dict[str, Any]]:
     """Own prefill vs converted cache, per prompt (module docstring)."""
     src_m, tgt_m = pair.source, pair.target
+    start = start_kv(tgt_m)  # registered once, as with Bridge.add_start
     rows = []
     for prompt in prompts:
         src_kv = kv_eval.prefix_kv(src_m.model, encode(src_m, prompt).ids)  # as a store holds it
@@ -177,7 +205,7 @@ def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[
             m = len(tgt.ids) - 1
             cached = eval_cross.Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m])
             index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
-            kv = adapter.convert(src_kv, alignment=index)
+            kv = with_own_start(adapter.convert(src_kv, alignment=index), start)
             logits, _ = kv_eval.forward(tgt_m.model, tgt.ids[m:], kv, logits_to_keep=1)
             out["converted"] = int(logits[-1].argmax())
 
@@ -220,7 +248,8 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
         adapter = fit(pair, train, config, progress)
         timings["fit_seconds"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    scores = score(pair, adapter, heldout, config.continuation_share, config.tails, progress)
+    scores = score(pair, adapter, heldout, config.continuation_share, config.tails, progress,
+                   own_start=not config.converted_start)
     timings["score_seconds"] = time.perf_counter() - t1
     long_text = "\n".join(corpus.read_text(p) for p in heldout_files[:8])
     prompts = [prompt_of_tokens(pair.target, long_text, n) for n in config.ttft_tokens]
@@ -272,6 +301,38 @@ def format_table(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: Dict[str, Any], path: str) -> None:
+    """eval.png: held-out R² per target layer, and kept and agreement against the share of the
+    prompt the target computes itself."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a, tails = results["adapter"], results["tails"]
+    fig, (ax_r2, ax_curve) = plt.subplots(1, 2, figsize=(11, 4))
+    layers = range(len(a["r2_key"]))
+    ax_r2.plot(layers, a["r2_key"], marker="o", label="K")
+    ax_r2.plot(layers, a["r2_value"], marker="s", linestyle="--", label="V")
+    ax_r2.set_xlabel("target layer")
+    ax_r2.set_ylabel("held-out R²")
+    ax_r2.set_title("adapter fit per target layer")
+    ax_r2.legend(fontsize=8)
+    share = [v["recomputed_share"] for v in tails.values()]
+    ax_curve.plot(share, [v["kept"] for v in tails.values()], marker="o", label="kept")
+    ax_curve.plot(share, [v["agreement"] for v in tails.values()], marker="s", label="agreement")
+    for r, v in tails.items():
+        ax_curve.annotate(f"tail {r}", (v["recomputed_share"], v["kept"]), fontsize=7)
+    ax_curve.axhline(1.0, color="gray", linewidth=0.8)
+    ax_curve.set_xlabel("share of the prompt the target computes")
+    ax_curve.set_title(f"{results['models']['source']['name']} -> "
+                       f"{results['models']['target']['name']}, held-out")
+    ax_curve.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     at_least = kv_eval.int_at_least
     d = RealConfig()
@@ -281,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", nargs="+", default=None, metavar="FILE",
                    help="text files (default: the Python standard library's source and "
                    "Debian's license texts; see kvbridge.experiments.corpus)")
-    p.add_argument("--out", default="eval-out", help="directory for results.json")
+    p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
     p.add_argument("--save-adapter", metavar="PATH", help="save the fitted adapter here")
     p.add_argument("--adapter", metavar="PATH", help="score this adapter instead of fitting one")
     p.add_argument("--window-bytes", type=at_least(64), default=d.window_bytes)
@@ -295,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tails", type=at_least(0), nargs="+", default=d.tails)
     p.add_argument("--ttft-tokens", type=at_least(2), nargs="+", default=d.ttft_tokens)
     p.add_argument("--ttft-repeats", type=at_least(1), default=d.ttft_repeats)
+    p.add_argument("--converted-start", action="store_true",
+                   help="ablation: score the conversion of the start token too (the Bridge "
+                   "serves the target's own)")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--threads", type=at_least(0), default=0,
                    help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
@@ -312,7 +376,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         train_windows=args.train_windows, heldout_windows=args.heldout_windows,
                         policy=args.policy, source_layers=args.source_layers,
                         tails=list(args.tails), ttft_tokens=list(args.ttft_tokens),
-                        ttft_repeats=args.ttft_repeats, seed=args.seed)
+                        ttft_repeats=args.ttft_repeats, converted_start=args.converted_start,
+                        seed=args.seed)
     kv_eval.set_threads(args.threads)
     files = [pathlib.Path(f) for f in args.text] if args.text else corpus.default_files()
     missing = [str(f) for f in files if not f.is_file()]
@@ -330,8 +395,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1, default=kv_eval._finite_or_null)
+    picture = os.path.join(args.out, "eval.png")
+    plot(results, picture)
     print(format_table(results))
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path} and {picture}")
     return results
 
 
