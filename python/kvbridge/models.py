@@ -236,7 +236,6 @@ def convert_gguf(gguf: PathLike, out: PathLike, name: str = "", start_token: str
     tokenizer, ``kvbridge.json``). The folder appears whole or not at all (written beside it,
     then renamed). transformers shows the dequantization's progress bar."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf, out = pathlib.Path(gguf), pathlib.Path(out)

@@ -1,34 +1,28 @@
 """The real pretrained models for the vLLM tests: their Hugging Face folders, when this machine
 has them, and why not otherwise (the reason a test is skipped with)."""
-import json
 import pathlib
 from typing import Optional, Tuple
 
 from kvbridge import models
 
 SMOLLM2, GEMMA3 = "smollm2-135m", "gemma3-270m"
-
-
-def _vllm_loadable(folder: pathlib.Path) -> Optional[str]:
-    """None when vLLM can load the folder, else why not: folders kvbridge.models converted
-    before it named the architecture and stored tied weights under the embedding's name."""
-    config = json.loads((folder / "config.json").read_text())
-    if not config.get("architectures"):
-        return (f"{folder} was converted by an older kvbridge.models (no architectures, tied "
-                "weights stored as lm_head.weight only): vLLM cannot load it; delete the folder "
-                "and convert it again (kvbridge.models.resolve)")
-    return None
+CONVERT = ".venv/bin/python -c \"import kvbridge.models as m; m.resolve('{}')\""
 
 
 def folder(name: str) -> Tuple[Optional[pathlib.Path], str]:
-    """(the model's folder, "") when it is converted already (under kvbridge.models.models_dir(),
-    KVBRIDGE_MODELS_DIR) or its packages are installed (then converted now, about a minute),
-    else (None, the reason to skip)."""
-    converted = models.models_dir() / name
-    if not (converted / "config.json").is_file() and not models.installed(name):
-        return None, (f"{name} is neither converted under {models.models_dir()} nor installed "
-                      f"(scripts/bootstrap.sh installs it in .venv; `.venv/bin/python -c \"import "
-                      f"kvbridge.models as m; m.resolve('{name}')\"` converts it)")
-    path = models.resolve(name)
-    why = _vllm_loadable(path)
-    return (None, why) if why else (path, "")
+    """(the model's folder, "") when it is converted already in the current layout (under
+    kvbridge.models.models_dir(), KVBRIDGE_MODELS_DIR) or its packages are installed here (then
+    it is converted now, about a minute), else (None, the reason to skip). The vLLM venv does not
+    carry the model packages: the main venv converts the folders (scripts/bootstrap.sh installs
+    the packages there)."""
+    path = models.models_dir() / name
+    if (path / "config.json").is_file() and models._current(path):
+        return path, ""
+    if models.installed(name):
+        return models.resolve(name), ""
+    if (path / "config.json").is_file():
+        return None, (f"{path} was converted by an older kvbridge.models (vLLM cannot load that "
+                      f"layout) and its packages are not installed here: convert it again with "
+                      f"{CONVERT.format(name)}")
+    return None, (f"{name} is neither converted under {models.models_dir()} nor installed here "
+                  f"(scripts/bootstrap.sh installs it in .venv; {CONVERT.format(name)} converts it)")

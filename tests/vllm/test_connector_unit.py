@@ -1,6 +1,7 @@
 """Parts of KVBridgeConnector that need no engine: extra-config validation, the ModelSpec
 derivation (against kvbridge.testbed and the shipped adapter's recorded specs), and the worker's
 load into paged blocks with the failures vLLM must recompute."""
+import functools
 import pathlib
 
 import pytest
@@ -213,7 +214,7 @@ def test_background_saves_keep_provenance_and_respect_a_disable():
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
-def test_engine_spec_of_a_real_model_folder_is_the_models_spec(name, tmp_path):
+def test_engine_spec_of_a_real_model_folder_is_the_models_spec(name, tmp_path, monkeypatch):
     """vLLM serving a converted folder by its path (model, tokenizer and the default served
     name all the path) gives the connector exactly kvbridge.models.load's spec: the name the
     folder holds, its version and tokenizer id, Gemma 3's per-layer attention, the KV dtype;
@@ -226,10 +227,12 @@ def test_engine_spec_of_a_real_model_folder_is_the_models_spec(name, tmp_path):
     path, why = folder(name)
     if path is None:
         pytest.skip(why)
-    from kvbridge import models
-
-    reference = models.load(path).spec
+    # Gemma's tokenizer.json is 33 MB: hash each folder's files once in this test.
+    monkeypatch.setattr(specs, "tokenizer_id", functools.lru_cache()(specs.tokenizer_id))
+    # models.load's spec is specs.folder_spec of the folder and its model's config (the engine
+    # test compares the running engines' specs with models.load itself).
     config = AutoConfig.from_pretrained(path)
+    reference = specs.folder_spec(path, config, "float32")
     plain = options.parse_options({}, 32)
     spec = options.engine_spec(config, str(path), str(path), [str(path)], torch.float32, "auto",
                                plain)
@@ -253,3 +256,58 @@ def test_engine_spec_of_a_real_model_folder_is_the_models_spec(name, tmp_path):
     renamed = options.engine_spec(config, str(path), str(path), None, torch.float32, "auto",
                                   options.parse_options({"model_name": "other"}, 32))
     assert renamed.name == "other" and renamed.version == reference.version
+
+
+def test_kv_cache_groups_rule():
+    """One KV cache group whose layers keep every token's blocks: what vLLM gives Gemma 3 with
+    the hybrid KV cache manager off (sliding-window layers promoted to full attention, their
+    window kept for the kernel). Several groups, or sliding layers that drop blocks before
+    max_model_len, are refused."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+    def config(*specs_):
+        return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"layers.{i}"], s)
+                                                for i, s in enumerate(specs_)])
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=256, dtype=torch.float32)
+    promoted = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=256,
+                                 dtype=torch.float32, sliding_window=512)
+    sliding = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=256,
+                                dtype=torch.float32, sliding_window=512)
+    connector.check_kv_cache_groups(None)
+    connector.check_kv_cache_groups(config(full), 1024)
+    connector.check_kv_cache_groups(config(promoted), 1024)
+    connector.check_kv_cache_groups(config(sliding), 512)  # no request outgrows the window
+    with pytest.raises(ValueError, match="2 KV cache groups"):
+        connector.check_kv_cache_groups(config(full, sliding), 1024)
+    with pytest.raises(ValueError, match="does not keep every token's blocks"):
+        connector.check_kv_cache_groups(config(sliding), 1024)
+
+
+def test_source_tokenizers_are_found_by_their_files(tmp_path, monkeypatch):
+    """An adapter source's tokenizer folder is taken from the 'tokenizers' option, else from
+    where kvbridge.models converted the source, and only for the tokenizer id its files give."""
+    from kvbridge import models
+
+    shipped = kvbridge.LinearAdapter.load(ADAPTER)
+    tok_dir = tmp_path / "given"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text('{"model": {"type": "BPE"}, "x": 1}')
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text('{"model": {"type": "BPE"}, "x": 2}')
+    fields = {n: getattr(shipped.source, n) for n, _, _ in kvbridge.ModelSpec.FIELDS}
+    source = kvbridge.ModelSpec(**dict(fields, name="src-model",
+                                       tokenizer=specs.tokenizer_id(tok_dir)))
+    fake = type("A", (), {"source": source, "target": shipped.target})()
+    monkeypatch.setenv("KVBRIDGE_MODELS_DIR", str(tmp_path / "models"))
+    assert connector.source_tokenizers([fake], (str(other), str(tok_dir))) == \
+        {source.tokenizer: str(tok_dir)}
+    with pytest.raises(ValueError, match="'tokenizers' option"):
+        connector.source_tokenizers([fake], (str(other),))
+    converted = models.models_dir() / "src-model"
+    converted.mkdir(parents=True)
+    (converted / "tokenizer.json").write_text((tok_dir / "tokenizer.json").read_text())
+    assert connector.source_tokenizers([fake], ()) == {source.tokenizer: str(converted)}

@@ -98,6 +98,21 @@ def test_matches_bridge_load(adapter, n, source_tokens, native_tokens, options):
                              and (options.get("recompute_tail") != -1 or native_tokens == 0))
 
 
+@pytest.mark.parametrize("n,source_tokens,native_tokens", [(101, 96, 0), (101, 96, 32)])
+def test_own_start_token_as_bridge_load(adapter, n, source_tokens, native_tokens):
+    """With the model's own start-token KV registered (add_start, or an own save), a converted
+    load's first token is that KV, as in Bridge.load."""
+    prompt = prompt_of(n)
+    bridge = make_bridge(adapter, prompt, source_tokens, native_tokens)
+    bridge.add_start(adapter.target, prompt[0], random_kv(adapter.target, 1, 9))
+    want = bridge.load(adapter.target, prompt, NS)
+    got = device_load.load(bridge, adapter.target, prompt, NS, "cpu")
+    assert_same_load(got, want)
+    if native_tokens == 0:
+        start = random_kv(adapter.target, 1, 9)
+        assert torch.equal(got.kv[0][0][:, :, :1], start[0][0])
+
+
 def test_disabled_adapter_and_other_namespace(adapter):
     prompt = prompt_of(101)
     bridge = make_bridge(adapter, prompt, 96, 32)

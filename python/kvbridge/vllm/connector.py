@@ -284,26 +284,23 @@ def register_tokenizers(bridge: Bridge, spec: _core.ModelSpec, tokenizer_folder:
     the prompt's text is the engine tokenizer's decoding, and the source tokenization is found
     as Bridge.load does (kvbridge.bridge). Raises InvalidArgumentError when the engine's
     tokenizer folder is missing or holds another tokenizer than the spec's."""
-    if not tokenizer_folder or specs.tokenizer_id(tokenizer_folder) is None:
+    own = specs.tokenizer_id(tokenizer_folder) if tokenizer_folder else None
+    if own is None:
         raise InvalidArgumentError(
             f"KVBridgeConnector: adapters from other tokenizers need the served model's tokenizer "
             f"files; the engine's tokenizer {tokenizer_folder!r} is not a local folder holding them")
-    if specs.tokenizer_id(tokenizer_folder) != spec.tokenizer:
+    if own != spec.tokenizer:
         raise InvalidArgumentError(
             f"KVBridgeConnector: the engine's tokenizer folder {tokenizer_folder} has tokenizer id "
-            f"{specs.tokenizer_id(tokenizer_folder)!r}, but the served spec says "
-            f"{spec.tokenizer!r} (a 'tokenizer' override?); loads across tokenizers need the "
-            "tokenizer the spec names")
+            f"{own!r}, but the served spec says {spec.tokenizer!r} (a 'tokenizer' override?); "
+            "loads across tokenizers need the tokenizer the spec names")
     bridge.add_tokenizer(spec, _load_tokenizer(tokenizer_folder))
-    loaded: Dict[str, Any] = {}
-    for tid, folder in source_tokenizers(adapters, folders).items():
-        loaded[tid] = _load_tokenizer(folder)
+    found = source_tokenizers(adapters, folders)
+    loaded = {tid: _load_tokenizer(folder) for tid, folder in found.items()}
     for a in adapters:
         bridge.add_tokenizer(a.source, loaded[a.source.tokenizer])
     logger.info("kvbridge: tokenizers registered for loads across tokenizers: %s",
-                {a.source.name: source for a, source in
-                 zip(adapters, (source_tokenizers(adapters, folders)[a.source.tokenizer]
-                                for a in adapters))})
+                {a.source.name: found[a.source.tokenizer] for a in adapters})
 
 
 _REGISTRY: Dict[tuple, _Shared] = {}

@@ -25,6 +25,10 @@ a source prefix: that candidate is skipped), a conversion whose output holds a N
 infinity is not used (the load falls back to the native prefix), and neither is one whose
 adapter the Bridge dropped while it converted.
 
+Like ``Bridge.load``, a load holding KV that is not the model's own prefill takes the first
+token's KV from the model's own where the Bridge knows it (``Bridge.add_start``; the connector's
+Bridge learns it from the engine's own saves).
+
 It writes nothing back, like the connector's ``Bridge`` (built with ``write_back=False``): the
 connector saves the request's blocks afterwards, in the background, with the provenance this
 load reports (``converted_from``, ``adapter``). The Bridge's own counters (``converted_hits``,
@@ -160,12 +164,17 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
                            for (hk, hv), (ck, cv) in zip(head, converted))
             else:
                 kv = tuple(converted)
+            # As Bridge.load: the model's own start-token KV where it knows one (add_start).
+            kv = tuple(bridge._own_start(spec, tokens, [(k, v) for k, v in kv]))
             return DeviceLoad(end, kv, True, native_len, adapter.source.name,
                               adapter.source.fingerprint, adapter.fingerprint)
 
     if native_len == 0:
         return DeviceLoad(0, None, False, 0, "")
-    kv = _to(((k[:, :, :native_len], v[:, :, :native_len]) for k, v in native.kv), device)
+    kv = tuple((k[:, :, :native_len].to(device, copy=True),
+                v[:, :, :native_len].to(device, copy=True)) for k, v in native.kv)
+    if native.adapter:  # written back by a conversion: as Bridge.load, the own start token
+        kv = tuple(bridge._own_start(spec, tokens, list(kv)))
     return DeviceLoad(native_len, kv, False, native_len, spec.name, native.converted_from,
                       native.adapter)
 
