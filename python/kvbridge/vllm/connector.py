@@ -700,6 +700,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 # Entries naming a dropped adapter are not served: promise none of a prefix
                 # holding one (the load serves what comes before it, if anything).
                 native = best = 0 if bridge.adapter_dropped(found.adapter) else found.tokens
+                limit = len(tokens) - 1
+                if found.adapter and native:
+                    # Written-back entries keep their adapter's tail, as the worker's load
+                    # (device_load.load) cuts them: promise no more than it will load.
+                    tail = device_load.tail_of(bridge, found.adapter)
+                    if tail > 0:
+                        native = best = max(0, min(native, limit - tail))
                 origin = (found.converted_from, found.adapter) if native else ("", "")
                 usable = self._shared.usable_adapters()
                 for adapter in usable:
@@ -707,6 +714,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
                         continue  # another tokenizer's ids: probed below
                     source = store.match(adapter.source, tokens, ns, return_kv=False)
                     length = 0 if bridge.adapter_dropped(source.adapter) else source.tokens
+                    tail = bridge.recompute_tail_for(adapter)
+                    if tail > 0:  # the adapter's tail stays with the engine
+                        length = min(length, limit - tail)
                     if length > best:
                         best = length
                         origin = (adapter.source.fingerprint, adapter.fingerprint)

@@ -113,7 +113,7 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
         # Written-back entries keep their adapter's tail. The Bridge never cuts the model's own
         # chunks before them; Python's Match does not say where they end, so cut it all (the
         # safe side: less served, never a converted token inside the tail).
-        tail = _tail_of(bridge, native.adapter)
+        tail = tail_of(bridge, native.adapter)
         if tail > 0:
             native_len = max(0, min(native_len, limit - tail))
 
@@ -186,7 +186,7 @@ def across_tokenizers(bridge: Bridge, spec: _core.ModelSpec) -> bool:
                for a in bridge.adapters())
 
 
-def _tail_of(bridge: Bridge, adapter_fingerprint: str) -> int:
+def tail_of(bridge: Bridge, adapter_fingerprint: str) -> int:
     """The tail of entries whose provenance names this adapter (as the Bridge's: the option, or
     the registered adapter's recorded tail, 0 for one not registered)."""
     if bridge.recompute_tail >= 0:
@@ -202,4 +202,4 @@ def wants_device_load(layers: Optional[Sequence[Tuple[torch.Tensor, torch.Tensor
     return bool(layers) and layers[0][0].device.type == "cuda"
 
 
-__all__ = ["DeviceLoad", "across_tokenizers", "load", "wants_device_load"]
+__all__ = ["DeviceLoad", "across_tokenizers", "load", "tail_of", "wants_device_load"]
