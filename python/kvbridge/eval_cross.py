@@ -208,6 +208,20 @@ def split_window(target_tokenizer: Any, text: str, share: float) -> Optional[Spl
     return None
 
 
+def references(model: Any, split: Split, bos_id: int
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Encoded]:
+    """What every converted cache of a split window is scored against: the continuation's token
+    ids, the target's logits over it after its own prefill of the cached prefix and after
+    `bos_id` alone, and the cached prefix's tokenization (t[0..p-1))."""
+    ids, p = split.target.ids, split.p
+    targets = torch.as_tensor(ids[p:], dtype=torch.long)
+    own_kv = kv_eval.prefix_kv(model, ids[:p - 1])
+    logits_own, _ = kv_eval.forward(model, ids[p - 1:-1], own_kv)
+    logits_none, _ = kv_eval.forward(model, [bos_id] + ids[p:-1])
+    cached = Encoded(ids[:p - 1], split.target.offsets[:p - 1], split.target.roles[:p - 1])
+    return targets, logits_own, logits_none, cached
+
+
 def score_cross(pair: Any, texts: Sequence[str], share: float,
                 adapters: Dict[str, kvbridge.LinearAdapter]) -> Dict[str, Dict[str, Any]]:
     """Pooled kept / agreement / losses per policy over held-out window texts."""
@@ -220,12 +234,9 @@ def score_cross(pair: Any, texts: Sequence[str], share: float,
         if split is None:
             continue
         ids, p = split.target.ids, split.p
-        targets = torch.as_tensor(ids[p:], dtype=torch.long)
-        own_kv = kv_eval.prefix_kv(tgt_m.model, ids[:p - 1])
-        logits_own, _ = kv_eval.forward(tgt_m.model, ids[p - 1:-1], own_kv)
-        logits_none, _ = kv_eval.forward(tgt_m.model, [tgt_m.tokenizer.bos_id] + ids[p:-1])
+        targets, logits_own, logits_none, cached = references(tgt_m.model, split,
+                                                              tgt_m.tokenizer.bos_id)
         src = encode(src_m.tokenizer, split.prefix_text)
-        cached = Encoded(ids[:p - 1], split.target.offsets[:p - 1], split.target.roles[:p - 1])
         src_kv = kv_eval.prefix_kv(src_m.model, src.ids)
         for name, adapter in adapters.items():
             index, missing = alignment(name, src, cached)
@@ -482,5 +493,5 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
 __all__ = ["CrossConfig", "DEFAULT_CROSS_ADAPTER", "Encoded", "NAIVE", "Split", "alignment", "best_policy", "encode",
            "evaluate_cross",
-           "fit_policies", "format_table", "main", "measure_ttft_cross", "policies",
+           "fit_policies", "format_table", "main", "measure_ttft_cross", "policies", "references",
            "score_cross", "split_window", "text_windows", "utf8_prefix"]

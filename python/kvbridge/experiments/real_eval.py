@@ -65,12 +65,12 @@ class RealConfig:
 
     window_bytes: int = 1536
     continuation_share: float = 0.25
-    train_windows: int = 96
-    heldout_windows: int = 32
+    train_windows: int = 128
+    heldout_windows: int = 24
     heldout_share: float = 0.25
     policy: str = "covering"
-    source_layers: str = "auto"        # "auto", "all" or k: the k source layers nearest in depth
-    tails: List[int] = field(default_factory=lambda: [0, 16, 64])
+    source_layers: str = "3"           # "auto", "all" or k: the k source layers nearest in depth
+    tails: List[int] = field(default_factory=lambda: [0, 16, 32, 64, 128])
     ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
     ttft_repeats: int = 3
     converted_start: bool = False      # ablation: the start token's KV converted too
@@ -167,13 +167,9 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
         if split is None:
             continue
         ids, p = split.target.ids, split.p
-        targets = torch.as_tensor(ids[p:], dtype=torch.long)
-        own_kv = kv_eval.prefix_kv(tgt_m.model, ids[:p - 1])
-        logits_own, _ = kv_eval.forward(tgt_m.model, ids[p - 1:-1], own_kv)
-        logits_none, _ = kv_eval.forward(tgt_m.model, [tgt_m.bos_id] + ids[p:-1])
+        targets, logits_own, logits_none, cached = eval_cross.references(tgt_m.model, split,
+                                                                         tgt_m.bos_id)
         src = encode(src_m, split.prefix_text)
-        cached = eval_cross.Encoded(ids[:p - 1], split.target.offsets[:p - 1],
-                                    split.target.roles[:p - 1])
         index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
         conv = adapter.convert(kv_eval.prefix_kv(src_m.model, src.ids), alignment=index)
         if own_start:
