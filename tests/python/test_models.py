@@ -102,7 +102,7 @@ def test_gemma_past_its_window_store_round_trip_matches_a_full_prefill(gemma):
     from transformers import DynamicCache
 
     own = DynamicCache(config=gemma.model.config)
-    gemma.model(torch.tensor([ids[:prefix]]), past_key_values=own, use_cache=True)
+    gemma.model(torch.tensor([ids[:prefix]]), cache=own, use_cache=True)
     with pytest.raises(kvbridge.InvalidArgumentError, match="full_cache"):
         store.put(gemma.spec, ids[:prefix], own)
 
