@@ -125,15 +125,15 @@ def fit(pair: Pair, texts: Sequence[str], config: RealConfig,
     """An adapter fitted on the paired KV of `texts` (module docstring)."""
     fitter = kvbridge.AdapterFitter(pair.source.spec, pair.target.spec,
                                     **fitter_options(pair, config))
-    for _ in range(fitter.passes):
-        if _ > 0:
+    for pass_index in range(fitter.passes):  # two when a probe pass ranks layers first
+        if pass_index > 0:
             fitter.next_pass()
         for text in kv_eval.progress_items(texts, progress, desc="paired KV"):
             src, tgt = encode(pair.source, text), encode(pair.target, text)
-            index, _missing = eval_cross.alignment(config.policy, src, tgt)
+            index, _ = eval_cross.alignment(config.policy, src, tgt)
             fitter.add(kv_eval.prefix_kv(pair.source.model, src.ids),
                        kv_eval.prefix_kv(pair.target.model, tgt.ids), alignment=index)
-    return fitter.fit()
+    return fitter.fit(progress=progress)
 
 
 def start_kv(model: models.LoadedModel) -> kv_eval.KVCache:
