@@ -76,8 +76,11 @@ def main(config_path: str, out_path: str) -> None:
     for phase in cfg["phases"]:
         if phase.get("kill_before"):
             kill_and_wait(int(phase["kill_before"]), int(phase["kill_port"]))
+        reset = None
         if phase.get("reset_prefix_cache"):
-            llm.reset_prefix_cache()
+            # vLLM refuses (False) while blocks are still held, e.g. by a save in flight: then
+            # its own prefix cache could serve what the phase means the connector to serve.
+            reset = bool(llm.reset_prefix_cache())
         salt = phase.get("cache_salt")
         texts = phase.get("texts", cfg.get("texts"))
         if "prompts" in phase or texts is None:
@@ -97,7 +100,7 @@ def main(config_path: str, out_path: str) -> None:
         seconds = time.monotonic() - started
         if conn is not None:
             conn.flush()
-        result["phases"][phase["name"]] = {"rows": rows, "seconds": seconds,
+        result["phases"][phase["name"]] = {"rows": rows, "seconds": seconds, "reset": reset,
                                            "stats": conn.stats() if conn else {}}
     with open(out_path, "w") as f:
         json.dump(result, f, default=float)

@@ -140,16 +140,27 @@ def runs(tmp_path_factory):
         {"name": "own", "cache_salt": "tenant-own"},
         {"name": "converted"},
         {"name": "repeat", "reset_prefix_cache": True},
-    ], extra={"disk_dir": disk, "adapters": [str(ADAPTER)],
-              # The shipped adapter records a 96-token tail, which would leave these prompts
-              # (100-250 tokens) little to load: the conversion is what is tested here.
-              "recompute_tail": 0}))
+    ], extra={"disk_dir": disk, "adapters": [str(ADAPTER)]}))
     return {"prompts": prompts, "extra_prompts": extra_prompts, "a": a, "a2": a2, "b": b,
             "spec_a": spec_a, "redis": redis is not None}
 
 
 def expected_loaded(ids):
     return min(len(ids) // CHUNK * CHUNK, len(ids) - 1)
+
+
+def adapter_tail():
+    """The tail recompute the shipped adapter records (LinearAdapter.serving), which the
+    connector serves it with by default."""
+    from kvbridge import LinearAdapter
+
+    return LinearAdapter.load(str(ADAPTER)).serving["recompute_tail"]
+
+
+def expected_converted(ids):
+    """B's tokens from a conversion, or from entries written back from one: the adapter's
+    recorded tail stays with the engine (the scheduler promises no more than that)."""
+    return max(0, min(expected_loaded(ids), len(ids) - 1 - adapter_tail()))
 
 
 def test_specs_match_the_testbed(runs):
@@ -244,7 +255,7 @@ def test_b_converted_prefix(runs):
     for i, (ids, r) in enumerate(zip(runs["prompts"], conv["rows"])):
         if i == CORRUPT_PROMPT:
             continue
-        assert r["num_cached_tokens"] == expected_loaded(ids)
+        assert r["num_cached_tokens"] == expected_converted(ids)
     stats = conv["stats"]
     assert stats["load_errors"] == 0  # every promised token was delivered
     assert stats["loads_converted"] == NUM_PROMPTS - 1
@@ -268,6 +279,7 @@ def test_b_corrupt_entry_recomputes(runs):
 def test_b_repeat_is_native_and_identical(runs):
     conv = runs["b"]["phases"]["converted"]
     rep = runs["b"]["phases"]["repeat"]
+    assert rep["reset"] is True  # vLLM's own prefix cache was emptied: the hits are the connector's
     before = conv["stats"]
     after = rep["stats"]
     assert after["loads_native"] - before["loads_native"] == NUM_PROMPTS
@@ -275,7 +287,10 @@ def test_b_repeat_is_native_and_identical(runs):
     for c, r in zip(conv["rows"], rep["rows"]):
         assert r["tokens"] == c["tokens"]
     for i, (ids, r) in enumerate(zip(runs["prompts"], rep["rows"])):
-        assert r["num_cached_tokens"] == expected_loaded(ids)
+        # B's own prefill of the corrupt prompt was saved as its own: served whole; the others
+        # derive from conversions and keep the adapter's tail.
+        want = expected_loaded(ids) if i == CORRUPT_PROMPT else expected_converted(ids)
+        assert r["num_cached_tokens"] == want
 
 
 def test_tenants_are_separate(runs):
