@@ -69,7 +69,7 @@ class RealConfig:
     heldout_windows: int = 24
     heldout_share: float = 0.25
     policy: str = "covering"
-    source_layers: str = "3"           # "auto", "all" or k: the k source layers nearest in depth
+    source_layers: str = "auto"        # "auto" (the fitter's default), "all" or k: k nearest in depth
     tails: List[int] = field(default_factory=lambda: [0, 16, 32, 64, 128])
     ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
     ttft_repeats: int = 3
