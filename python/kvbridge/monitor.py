@@ -3,15 +3,8 @@
 A converted cache is an approximation. QualityMonitor wraps a Bridge: for a share of the loads
 that return converted tokens (``sample_rate``, default 1%, drawn from a seeded generator) it
 also runs the target model's own prefill of the same prompt and compares the two at the
-prompt's last ``positions`` positions (``compare``):
-
-- **agreement**: the share of those positions where the target's greedy next token after the
-  converted cache equals the one after its own prefill;
-- **KL**: the mean KL divergence KL(own || converted) of the two next-token distributions, in
-  nats;
-- **loss gap**: the mean cross-entropy of the prompt's actual next tokens after the converted
-  cache minus after its own prefill, in nats per token (positions whose next token lies in the
-  prompt: all but the last).
+prompt's last ``positions`` positions (``compare``: agreement, KL and loss gap, defined in
+kvbridge.quality).
 
 Each comparison is recorded in the C++ Bridge (Bridge.record_check), which keeps the rolling
 figures per adapter fingerprint and disables an adapter whose pooled agreement over its last

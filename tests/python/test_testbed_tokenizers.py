@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("tokenizers")
 
-from kvbridge import specs, testbed  # noqa: E402
+from kvbridge import specs  # noqa: E402
+from kvbridge.experiments import testbed  # noqa: E402
 
 MIXED = "Grüße, 東京 🙂 naïve <eos> x\tend\n"
 
