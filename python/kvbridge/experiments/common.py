@@ -21,6 +21,7 @@ import torch
 
 import kvbridge
 from kvbridge._core import InvalidArgumentError
+from kvbridge.hf import forward
 
 # ----------------------------------------------------------------------------- data
 
@@ -134,6 +135,16 @@ def model_record(m: Any, tokenizer: bool = False) -> Dict[str, Any]:
             "fingerprint": s.fingerprint, "num_layers": s.num_layers,
             "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "parameters": sum(p.numel() for p in m.model.parameters())}
+
+
+# ----------------------------------------------------------------------------- model calls
+
+
+def next_token(model: Any, ids: Sequence[int], past: Any = None) -> int:
+    """The model's greedy next token after `ids` on the cache `past` (legacy tuple or None):
+    what the TTFT paths time."""
+    logits, _ = forward(model, ids, past, logits_to_keep=1)
+    return int(logits[-1].argmax())
 
 
 # ----------------------------------------------------------------------------- progress, time

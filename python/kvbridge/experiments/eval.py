@@ -89,9 +89,10 @@ from kvbridge.exact import exact_layers
 from kvbridge.experiments import eval_cross
 from kvbridge.experiments.common import (Sums, add_pair_arguments, add_run_arguments,
                                          alternate_timings, best_by_kept, finish, finite_or_null,
-                                         int_at_least, layer_r2, model_record, progress_items,
-                                         quiet_model_loading, save_adapter, score_cells,
-                                         set_threads, testbed_module, ttft_record, versions)
+                                         int_at_least, layer_r2, model_record, next_token,
+                                         progress_items, quiet_model_loading, save_adapter,
+                                         score_cells, set_threads, testbed_module, ttft_record,
+                                         versions)
 from kvbridge.hf import forward, prefix_kv
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
@@ -287,13 +288,11 @@ def measure_ttft(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
         out: Dict[str, Any] = {}
 
         def own():
-            logits, _ = forward(tgt.model, prompt, logits_to_keep=1)
-            out["own"] = int(logits[-1].argmax())
+            out["own"] = next_token(tgt.model, prompt)
 
         def via_bridge(name):
             load = bridges[name].load(tgt.spec, prompt, model=tgt.model)
-            logits, _ = forward(tgt.model, prompt[load.tokens:], load.kv, logits_to_keep=1)
-            out[name] = (int(logits[-1].argmax()), load)
+            out[name] = (next_token(tgt.model, prompt[load.tokens:], load.kv), load)
 
         t_own, t_bridges = alternate_timings(
             own, {name: (lambda name=name: via_bridge(name)) for name in bridges}, repeats)

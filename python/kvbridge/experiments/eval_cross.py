@@ -61,9 +61,10 @@ import kvbridge
 from kvbridge.adapter import choose_serving
 from kvbridge.experiments.common import (Sums, add_pair_arguments, add_run_arguments,
                                          alternate_timings, best_by_kept, finish, finite_or_null,
-                                         int_at_least, layer_r2, model_record, progress_items,
-                                         quiet_model_loading, save_adapter, score_cells,
-                                         set_threads, testbed_module, ttft_record, versions)
+                                         int_at_least, layer_r2, model_record, next_token,
+                                         progress_items, quiet_model_loading, save_adapter,
+                                         score_cells, set_threads, testbed_module, ttft_record,
+                                         versions)
 from kvbridge.hf import forward, prefix_kv
 
 #: The ablation: positions paired index by index, as for two models of one tokenizer.
@@ -272,8 +273,7 @@ def measure_ttft_cross(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
         out: Dict[str, Any] = {}
 
         def own():
-            logits, _ = forward(tgt_m.model, tgt_ids, logits_to_keep=1)
-            out["own"] = int(logits[-1].argmax())
+            out["own"] = next_token(tgt_m.model, tgt_ids)
 
         def converted(name):
             src, tgt = encode(src_m.tokenizer, prompt), encode(tgt_m.tokenizer, prompt)
@@ -281,8 +281,7 @@ def measure_ttft_cross(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
             cached = Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m])
             index, _ = alignment(name, src, cached)
             kv = adapters[name].convert(src_kv, alignment=index)
-            logits, _ = forward(tgt_m.model, tgt.ids[m:], kv, logits_to_keep=1)
-            out[name] = int(logits[-1].argmax())
+            out[name] = next_token(tgt_m.model, tgt.ids[m:], kv)
 
         t_own, t_convs = alternate_timings(
             own, {name: (lambda name=name: converted(name)) for name in adapters}, repeats)

@@ -51,7 +51,8 @@ from kvbridge._tensors import KVCache
 from kvbridge.adapter import choose_serving
 from kvbridge.experiments import corpus, eval_cross
 from kvbridge.experiments.common import (Sums, alternate_timings, finite_or_null, int_at_least,
-                                         layer_r2, progress_items, save_adapter, set_threads)
+                                         layer_r2, next_token, progress_items, save_adapter,
+                                         set_threads)
 from kvbridge.hf import forward, prefix_kv
 
 
@@ -214,9 +215,7 @@ def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[
         out: Dict[str, int] = {}
 
         def own():
-            ids = encode(tgt_m, prompt).ids
-            logits, _ = forward(tgt_m.model, ids, logits_to_keep=1)
-            out["own"] = int(logits[-1].argmax())
+            out["own"] = next_token(tgt_m.model, encode(tgt_m, prompt).ids)
 
         def converted():
             src, tgt = encode(src_m, prompt), encode(tgt_m, prompt)
@@ -224,8 +223,7 @@ def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[
             cached = eval_cross.Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m])
             index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
             kv = with_own_start(adapter.convert(src_kv, alignment=index), start)
-            logits, _ = forward(tgt_m.model, tgt.ids[m:], kv, logits_to_keep=1)
-            out["converted"] = int(logits[-1].argmax())
+            out["converted"] = next_token(tgt_m.model, tgt.ids[m:], kv)
 
         a, times = alternate_timings(own, {"converted": converted}, repeats)
         b = times["converted"]
