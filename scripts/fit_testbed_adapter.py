@@ -4,10 +4,10 @@
     python scripts/fit_testbed_adapter.py [--windows N] [--variant rope_auto|rope_all|naive]
         [--refine-epochs E] [--refine-windows N] [--refine-lr LR]
 
-With --refine-epochs E > 0 the closed-form fit is then refined end to end (kvbridge.refine: KL
-to testbed-b's own next-token distributions on training windows the fit did not use, seeded,
-held-out early stop) and the refined adapter is what is written. One thread (the default) makes
-both steps deterministic.
+With --refine-epochs E > 0 the closed-form fit is then refined end to end
+(kvbridge.experiments.refine: KL to testbed-b's own next-token distributions on training windows the
+fit did not use, seeded, held-out early stop) and the refined adapter is what is written. One thread
+(the default) makes both steps deterministic.
 
 The written adapter records its serving defaults (LinearAdapter.serving): the tail levers
 ``--tails`` are scored on held-out windows as ``kvbridge eval`` scores them, and the least tail
@@ -15,19 +15,21 @@ whose agreement reaches testbed.SERVING_AGREEMENT_GOAL is what a plain kvbridge.
 it with.
 
 Run it whenever the testbed weights change: the adapter's specs carry the weights' version
-fingerprint, and kvbridge.eval.load_adapter (used by the demo and `kvbridge eval --adapter`)
+fingerprint, and kvbridge.experiments.eval.load_adapter (used by the demo and `kvbridge eval
+--adapter`)
 refuses an adapter whose fingerprints differ from the loaded models'.
 """
 import argparse
 import pathlib
 
-from kvbridge import eval as kv_eval
-from kvbridge import refine
-from kvbridge import testbed
+from kvbridge.experiments import common
+from kvbridge.experiments import eval as kv_eval
+from kvbridge.experiments import refine
+from kvbridge.experiments import testbed
 
 
-SHIPPED = (pathlib.Path(__file__).resolve().parents[1] / "python" / "kvbridge" / "testbed"
-           / "adapters" / "testbed-a_to_testbed-b.safetensors")
+SHIPPED = (pathlib.Path(__file__).resolve().parents[1] / "python" / "kvbridge" / "experiments"
+           / "testbed" / "adapters" / "testbed-a_to_testbed-b.safetensors")
 
 
 def main():
@@ -47,10 +49,11 @@ def main():
     p.add_argument("--tails", type=int, nargs="+", default=[0, 32, 64, 96],
                    help="tail recompute lengths to measure for the serving defaults")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch and native threads (see kvbridge.eval.set_threads); 0: default")
+                   help="torch and native threads (see kvbridge.experiments.common.set_threads); "
+                   "0: default")
     args = p.parse_args()
-    kv_eval.set_threads(args.threads)
-    kv_eval.quiet_model_loading()
+    common.set_threads(args.threads)
+    common.quiet_model_loading()
     pair = testbed.load_pair()
     adapter = kv_eval.fit_default(pair, args.out, windows=args.windows, variant=args.variant)
     if args.refine_epochs > 0:
@@ -65,7 +68,7 @@ def main():
     adapter.save(args.out)
     print(f"serving defaults: recompute_tail {adapter.serving['recompute_tail']} "
           f"({adapter.serving['note']})")
-    r2 = kv_eval.layer_r2(adapter)
+    r2 = common.layer_r2(adapter)
     print(f"wrote {args.out}: {adapter.source.name} {adapter.source.version} -> "
           f"{adapter.target.name} {adapter.target.version}, {r2['train_tokens']} training "
           f"tokens, min held-out R² {r2['quality']:.4f}")

@@ -10,18 +10,20 @@ held-out windows of 256 tokens, 192-token prompts); the least tail whose agreeme
 testbed.SERVING_AGREEMENT_GOAL (0.99: 96, as testbed.BRIDGE_OPTIONS says).
 testbed-a -> testbed-c (across tokenizers): ``kvbridge eval --source testbed-a --target
 testbed-c`` scores no tail levers, so its one measured point is r = 0, scored as that eval does
-(kvbridge.eval_cross.score_cross, its default held-out windows); the record is tail 0 with that
-point (kvbridge.eval_cross records the same with --save-adapter).
+(kvbridge.experiments.eval_cross.score_cross, its default held-out windows); the record is tail 0
+with that point (kvbridge.experiments.eval_cross records the same with --save-adapter).
 
 Reinstall the package afterwards so that the installed copies carry the records too.
 """
 import argparse
 import pathlib
 
-from kvbridge import eval as kv_eval
-from kvbridge import eval_cross, testbed
+from kvbridge.experiments import common
+from kvbridge.experiments import eval as kv_eval
+from kvbridge.experiments import eval_cross, testbed
 
-ADAPTERS = pathlib.Path(__file__).resolve().parents[1] / "python" / "kvbridge" / "testbed" / "adapters"
+ADAPTERS = (pathlib.Path(__file__).resolve().parents[1] / "python" / "kvbridge" / "experiments"
+            / "testbed" / "adapters")
 
 
 def main():
@@ -29,8 +31,8 @@ def main():
     p.add_argument("--tails", type=int, nargs="+", default=[0, 1, 4, 16, 32, 64, 96])
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
-    kv_eval.set_threads(args.threads)
-    kv_eval.quiet_model_loading()
+    common.set_threads(args.threads)
+    common.quiet_model_loading()
 
     path = ADAPTERS / "testbed-a_to_testbed-b.safetensors"
     pair = testbed.load_pair()

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Trains the testbed models (kvbridge.testbed) on the training split of the fortunes.
+"""Trains the testbed models (kvbridge.experiments.testbed) on the training split of the fortunes.
 
 Deterministic: fixed seeds, torch.use_deterministic_algorithms(True) and a fixed thread count
 (--threads, default 1; float reductions depend on it, so the same command with the same thread
 count, torch and transformers versions gives the same weights). Writes each model with
-save_pretrained (safetensors, float16) into python/kvbridge/testbed/models/<name>/ and the
-record of the run into python/kvbridge/testbed/models/TRAINING.json.
+save_pretrained (safetensors, float16) into python/kvbridge/experiments/testbed/models/<name>/ and
+the record of the run into python/kvbridge/experiments/testbed/models/TRAINING.json.
 
 testbed-c has a tokenizer of its own: a byte-level BPE of --bpe-merges merges, trained here
 with the ``tokenizers`` package on the same training split (deterministic: the trainer breaks
@@ -32,10 +32,10 @@ import time
 
 import torch
 
-from kvbridge import testbed
+from kvbridge.experiments import testbed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "python" / "kvbridge" / "testbed" / "models"
+DEFAULT_OUT = ROOT / "python" / "kvbridge" / "experiments" / "testbed" / "models"
 
 
 def configs(tokenizers):

@@ -1,7 +1,7 @@
 """kept and agreement of testbed-b when the prompt caches pass through an int8 store.
 
-On held-out windows (the kvbridge.eval split and definitions: a prompt of P tokens, the cache
-covers its first P - 1, the target runs the rest and is scored on the continuation), compares
+On held-out windows (the kvbridge.experiments.eval split and definitions: a prompt of P tokens, the
+cache covers its first P - 1, the target runs the rest and is scored on the continuation), compares
 four caches for the same prefix:
 
 - own, native store:   testbed-b's own prefill, stored and matched (bit-exact: kept = 1);
@@ -16,8 +16,10 @@ import argparse
 import torch
 
 import kvbridge
-from kvbridge import eval as kveval
-from kvbridge import testbed
+from kvbridge import hf
+from kvbridge.experiments import common
+from kvbridge.experiments import eval as kveval
+from kvbridge.experiments import testbed
 
 
 def main() -> None:
@@ -26,8 +28,8 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    kveval.set_threads(args.threads)
-    kveval.quiet_model_loading()
+    common.set_threads(args.threads)
+    common.quiet_model_loading()
     pair = testbed.load_pair()
     adapter = kveval.load_adapter(kveval.DEFAULT_ADAPTER, pair)
     chunk, window = args.chunk_tokens, testbed.MAX_CONTEXT
@@ -47,13 +49,13 @@ def main() -> None:
 
     converters = {
         "own, native store": lambda ids: through(stores["native"], b.spec, ids,
-                                                 kveval.prefix_kv(b.model, ids)),
+                                                 hf.prefix_kv(b.model, ids)),
         "own, int8 store": lambda ids: through(stores["int8"], b.spec, ids,
-                                               kveval.prefix_kv(b.model, ids)),
+                                               hf.prefix_kv(b.model, ids)),
         "converted, native store": lambda ids: adapter.convert(
-            through(stores["native"], a.spec, ids, kveval.prefix_kv(a.model, ids))),
+            through(stores["native"], a.spec, ids, hf.prefix_kv(a.model, ids))),
         "converted, int8 store": lambda ids: adapter.convert(
-            through(stores["int8"], a.spec, ids, kveval.prefix_kv(a.model, ids))),
+            through(stores["int8"], a.spec, ids, hf.prefix_kv(a.model, ids))),
     }
     with torch.no_grad():
         results = kveval.score_windows(b.model, windows, continuation, pair.tokenizer.bos_id,

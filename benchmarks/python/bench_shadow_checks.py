@@ -29,10 +29,10 @@ def main() -> None:
     import tempfile
 
     import kvbridge
-    from kvbridge import testbed
-    from kvbridge import eval as ev
+    from kvbridge import hf
+    from kvbridge.experiments import testbed
+    from kvbridge.experiments import vllm_testbed as engines
     from kvbridge.vllm import shadow
-    from kvbridge.vllm import testbed as engines
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     pair = testbed.load_pair()
@@ -48,7 +48,7 @@ def main() -> None:
             "damaged": (damaged, twin, prompts[args.prompts:])}
     for _, spec, ps in sets.values():
         for p in ps:
-            conn.bridge.save(spec, p, ev.prefix_kv(pair.source.model, p))
+            conn.bridge.save(spec, p, hf.prefix_kv(pair.source.model, p))
     sc = shadow.ShadowChecks(llm, sample_rate=1.0, seed=0, positions=args.positions,
                              logprobs=args.logprobs)
     params = engines.greedy(8)

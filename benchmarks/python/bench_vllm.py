@@ -67,8 +67,8 @@ class Timed:
 
 
 def ttft_role(role, args):
-    from kvbridge import testbed
-    from kvbridge.vllm.testbed import (ADAPTER, greedy, heldout_prompts, testbed_llm,
+    from kvbridge.experiments import testbed
+    from kvbridge.experiments.vllm_testbed import (ADAPTER, greedy, heldout_prompts, testbed_llm,
                                        token_prompts, ttft)
 
     n_long = testbed.MAX_CONTEXT - 1
@@ -140,8 +140,8 @@ def _counters(enabled):
 
 def cost_role(role, args):
     """A long-lived engine: 'run TAG' on stdin runs the workload once, a RESULT line answers."""
-    from kvbridge import testbed
-    from kvbridge.vllm.testbed import (ADAPTER, greedy, heldout_prompts, testbed_llm,
+    from kvbridge.experiments import testbed
+    from kvbridge.experiments.vllm_testbed import (ADAPTER, greedy, heldout_prompts, testbed_llm,
                                        token_prompts)
 
     extra, kwargs = None, {}

@@ -27,7 +27,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def run_a(disk_dir, count):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvbridge.vllm.testbed import greedy, heldout_prompts, testbed_llm, token_prompts
+    from kvbridge.experiments.vllm_testbed import (greedy, heldout_prompts, testbed_llm,
+                                                   token_prompts)
 
     llm = testbed_llm("testbed-a", {"disk_dir": disk_dir})
     llm.generate(token_prompts(heldout_prompts(count, min_tokens=224, max_tokens=224, vary=False)), greedy(1), use_tqdm=False)
@@ -41,7 +42,7 @@ def run_a(disk_dir, count):
 def run_b(disk_dir, count):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvbridge.vllm.testbed import ADAPTER, heldout_prompts, testbed_llm, ttft
+    from kvbridge.experiments.vllm_testbed import ADAPTER, heldout_prompts, testbed_llm, ttft
 
     llm = testbed_llm("testbed-b", {"disk_dir": disk_dir, "adapters": [str(ADAPTER)]})
     prompts = heldout_prompts(count, min_tokens=224, max_tokens=224, vary=False)

@@ -6,7 +6,7 @@ so the tensors must stay alive for the call, which the callers here guarantee by
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -96,23 +96,6 @@ def cache_layers(cache: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     if not pairs:
         raise InvalidArgumentError("kv: the cache has no layers (nothing was cached yet)")
     return pairs
-
-
-def sliding_windows(spec: Optional[_core.ModelSpec]) -> List[int]:
-    """Each layer's sliding window (0: full attention) by the spec's per-layer attention; [] for
-    a spec without per-layer entries."""
-    if spec is None:
-        return []
-    return [int(a.sliding_window) for a in getattr(spec, "layer_attention", [])]
-
-
-def legacy_to_cache(kv: KVCache, spec: Optional[_core.ModelSpec] = None) -> Any:
-    """A legacy tuple as a transformers DynamicCache (needs transformers): with `spec`, its
-    sliding-window layers as DynamicSlidingWindowLayer (holding their last window - 1 tokens,
-    as the model's own cache would), the others as DynamicLayer."""
-    from kvbridge.hf import to_dynamic_cache
-
-    return to_dynamic_cache(kv, windows=sliding_windows(spec))
 
 
 def check_kv(kv: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:

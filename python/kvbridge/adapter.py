@@ -9,8 +9,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 
 from kvbridge import _args, _core
-from kvbridge._tensors import (KVCache, check_kv, empty_kv, host_kv, is_cache_object, kv_views,
-                               legacy_to_cache)
+from kvbridge._tensors import KVCache, check_kv, empty_kv, host_kv, is_cache_object, kv_views
+from kvbridge.hf import legacy_to_cache
 from kvbridge._core import InvalidArgumentError
 
 SourceLayers = Union[str, Sequence[Sequence[int]]]

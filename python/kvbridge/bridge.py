@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kvbridge import _args, _core
-from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
-                               legacy_to_cache)
+from kvbridge._tensors import KVCache, as_tokens, empty_kv, host_kv, kv_views
+from kvbridge.hf import legacy_to_cache
 from kvbridge.adapter import LinearAdapter
 from kvbridge.align import token_offsets
 from kvbridge.store import KVStore
@@ -174,9 +174,9 @@ class Bridge:
         if (source_model is None) != (target_model is None):
             raise TypeError("add_adapter: the probe needs both source_model and target_model")
         if source_model is not None:
-            from kvbridge import monitor
+            from kvbridge import quality
 
-            monitor.require_quality(self, adapter, source_model, target_model, probe)
+            quality.require_quality(self, adapter, source_model, target_model, probe)
         self._native.add_adapter(adapter._native, replace)
 
     def remove_adapter(self, source: _core.ModelSpec, target: _core.ModelSpec) -> bool:

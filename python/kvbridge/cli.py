@@ -21,7 +21,7 @@ def _real_models(argv: Sequence[str], flag: str = "") -> bool:
     pick.add_argument("--source")
     pick.add_argument("--target")
     known, _ = pick.parse_known_args(argv)
-    from kvbridge.testbed import MODEL_NAMES
+    from kvbridge.experiments.testbed import MODEL_NAMES
 
     return any(n is not None and n not in MODEL_NAMES for n in (known.source, known.target))
 
@@ -39,12 +39,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args[0] == "eval" and _real_models(args[1:]):
         from kvbridge.experiments import real_eval as command
     elif args[0] == "eval":
-        from kvbridge import eval as command
+        from kvbridge.experiments import eval as command
     elif _real_models(args[1:], "--real"):
         from kvbridge.experiments import real_demo as command
         args = [a for a in args if a != "--real"]
     else:
-        from kvbridge import demo as command
+        from kvbridge.experiments import demo as command
     import kvbridge
 
     try:

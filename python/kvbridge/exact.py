@@ -12,50 +12,17 @@ Works with Hugging Face decoder-only models whose base model (``model.model`` or
 ``model.get_decoder()``) keeps its decoder layers in a ``layers`` ModuleList and takes
 ``input_ids``, ``cache`` (or ``past_key_values``) and ``use_cache`` (Llama, Qwen2, Mistral and
 their relatives in transformers 5). The model is not modified: a shallow view of its base model
-with the first k layers runs, sharing the weights.
+with the first k layers runs, sharing the weights (kvbridge.hf.own_first_layers, the model
+call; this module splices its result into a cache).
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, List, Sequence
-
-import torch
 
 from kvbridge import _args
 from kvbridge._core import InvalidArgumentError
-from kvbridge._tensors import KVCache, cache_layers, check_kv
-
-
-def _decoder(model: Any) -> Any:
-    base = getattr(model, "model", None)
-    if base is None and hasattr(model, "get_decoder"):
-        base = model.get_decoder()
-    if base is None or not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
-        raise TypeError("model: expected a Hugging Face causal LM whose base model keeps its "
-                        f"decoder layers in .layers, got {type(model).__name__}")
-    return base
-
-
-@torch.no_grad()
-def own_first_layers(model: Any, tokens: Sequence[int], layers: int) -> KVCache:
-    """The model's own legacy KV of its first `layers` layers for `tokens` at positions 0..n-1:
-    one (key, value) pair per layer, [1, kv_heads, n, head_dim], the model's dtype and device."""
-    base = _decoder(model)
-    k = _args.size("layers", layers)
-    if not 1 <= k <= len(base.layers):
-        raise InvalidArgumentError(f"layers: expected 1..{len(base.layers)}, got {k}")
-    ids = torch.as_tensor(list(tokens), dtype=torch.long).view(1, -1)
-    if ids.shape[1] == 0:
-        raise InvalidArgumentError("tokens: expected at least one token")
-    head = copy.copy(base)                    # shares parameters, buffers and config
-    head._modules = dict(base._modules)       # its own module table: `base` stays whole
-    head.layers = torch.nn.ModuleList(list(base.layers)[:k])
-    from transformers import DynamicCache
-
-    out = head(input_ids=ids.to(next(base.parameters()).device), cache=DynamicCache(),
-               use_cache=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
-    return tuple((key, value) for key, value in cache_layers(cache))[:k]
+from kvbridge._tensors import KVCache, check_kv
+from kvbridge.hf import own_first_layers
 
 
 def exact_layers(model: Any, tokens: Sequence[int], kv: KVCache, layers: int = 1) -> KVCache:

@@ -1,4 +1,5 @@
-"""Hugging Face transformers caches: DynamicCache <-> kvbridge's legacy tuple form.
+"""Hugging Face transformers: caches (DynamicCache <-> kvbridge's legacy tuple form) and the
+model calls kvbridge makes (a forward after a cache, a prefix's own KV, the first layers' own KV).
 
 transformers (5.x) models take and return ``transformers.DynamicCache`` objects (one layer per
 decoder layer, each holding ``keys`` and ``values`` of shape ``[batch, kv_heads, tokens,
@@ -8,14 +9,22 @@ tensors. Every kvbridge entry point that takes a KV cache (``LinearAdapter.conve
 return a cache give a DynamicCache when asked (``as_cache=True``; ``convert`` returns the
 input's form by default).
 
+The model calls (``forward``, ``prefix_kv``, ``own_first_layers``) are what serving needs of a
+model: the quality checks (kvbridge.quality, kvbridge.monitor) and exact first layers
+(kvbridge.exact) run them, and the experiments build on them too. This is the one module that
+calls a model.
+
 transformers is imported only when a DynamicCache has to be built.
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+import copy
+import inspect
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from kvbridge import _args, _core
 from kvbridge._core import InvalidArgumentError
 from kvbridge._tensors import KVCache, cache_layers, check_kv, is_cache_object
 
@@ -72,4 +81,91 @@ def to_dynamic_cache(legacy: Any, config: Any = None, windows: Sequence[int] = (
     return DynamicCache(ddp_cache_data=[(k, v) for k, v in pairs], config=config)
 
 
-__all__: List[str] = ["full_cache", "is_cache", "to_dynamic_cache", "to_legacy"]
+def sliding_windows(spec: Optional[_core.ModelSpec]) -> List[int]:
+    """Each layer's sliding window (0: full attention) by the spec's per-layer attention; [] for
+    a spec without per-layer entries."""
+    if spec is None:
+        return []
+    return [int(a.sliding_window) for a in getattr(spec, "layer_attention", [])]
+
+
+def legacy_to_cache(kv: KVCache, spec: Optional[_core.ModelSpec] = None) -> Any:
+    """A legacy tuple as a transformers DynamicCache (needs transformers): with `spec`, its
+    sliding-window layers as DynamicSlidingWindowLayer (holding their last window - 1 tokens,
+    as the model's own cache would), the others as DynamicLayer."""
+    return to_dynamic_cache(kv, windows=sliding_windows(spec))
+
+
+# ----------------------------------------------------------------------------- model calls
+
+
+def as_cache(kv: Optional[KVCache]) -> Any:
+    """A fresh transformers DynamicCache holding the legacy tuple `kv` (None: empty), every
+    layer full (what forward feeds a model)."""
+    from transformers import DynamicCache
+
+    return DynamicCache() if kv is None else DynamicCache(kv)
+
+
+def _cache_keyword(model: Any) -> str:
+    """The keyword under which the installed transformers takes the KV cache: `cache` in newer
+    releases, `past_key_values` before. A model's forward also takes **kwargs, so passing the
+    wrong one is silently ignored (the forward would then run without the prefix)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def forward(model: Any, ids: Sequence[int], past: Optional[KVCache] = None,
+            logits_to_keep: int = 0) -> Tuple[torch.Tensor, KVCache]:
+    """Logits [tokens, vocab] (float32) and the new legacy KV of `ids` after the cache `past`
+    (positions continue from past's length). logits_to_keep=k keeps the last k positions only."""
+    x = torch.as_tensor(list(ids), dtype=torch.long).view(1, -1)
+    past_kw = {_cache_keyword(model): as_cache(past)}
+    out = model(x, use_cache=True, logits_to_keep=logits_to_keep, **past_kw)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    return out.logits[0].float(), tuple((layer.keys, layer.values) for layer in cache.layers)
+
+
+def prefix_kv(model: Any, ids: Sequence[int]) -> KVCache:
+    """The model's own legacy KV of `ids` (one forward from position 0)."""
+    return forward(model, ids, logits_to_keep=1)[1]
+
+
+def _decoder(model: Any) -> Any:
+    base = getattr(model, "model", None)
+    if base is None and hasattr(model, "get_decoder"):
+        base = model.get_decoder()
+    if base is None or not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
+        raise TypeError("model: expected a Hugging Face causal LM whose base model keeps its "
+                        f"decoder layers in .layers, got {type(model).__name__}")
+    return base
+
+
+@torch.no_grad()
+def own_first_layers(model: Any, tokens: Sequence[int], layers: int) -> KVCache:
+    """The model's own legacy KV of its first `layers` layers for `tokens` at positions 0..n-1:
+    one (key, value) pair per layer, [1, kv_heads, n, head_dim], the model's dtype and device.
+    Only those layers run: a shallow view of the base model (``model.model`` or
+    ``model.get_decoder()``, its decoder layers in a ``layers`` ModuleList) with the first
+    `layers` of them, sharing the weights; the model is not modified."""
+    base = _decoder(model)
+    k = _args.size("layers", layers)
+    if not 1 <= k <= len(base.layers):
+        raise InvalidArgumentError(f"layers: expected 1..{len(base.layers)}, got {k}")
+    ids = torch.as_tensor(list(tokens), dtype=torch.long).view(1, -1)
+    if ids.shape[1] == 0:
+        raise InvalidArgumentError("tokens: expected at least one token")
+    head = copy.copy(base)                    # shares parameters, buffers and config
+    head._modules = dict(base._modules)       # its own module table: `base` stays whole
+    head.layers = torch.nn.ModuleList(list(base.layers)[:k])
+    from transformers import DynamicCache
+
+    out = head(input_ids=ids.to(next(base.parameters()).device), cache=DynamicCache(),
+               use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    return tuple((key, value) for key, value in cache_layers(cache))[:k]
+
+
+__all__: List[str] = ["as_cache", "forward", "full_cache", "is_cache", "legacy_to_cache",
+                      "own_first_layers", "prefix_kv", "to_dynamic_cache", "to_legacy"]

@@ -1,4 +1,5 @@
-"""ModelSpec derivation shared by every integration (kvbridge.testbed, kvbridge.vllm).
+"""ModelSpec derivation shared by every integration (kvbridge.models, kvbridge.vllm, the
+testbed).
 
 One model must get one spec wherever it runs, or entries saved by one runtime are misses for
 another. The rules:

@@ -8,7 +8,8 @@ from typing import Any, Iterable, List, Optional, Union
 import torch
 
 from kvbridge import _args, _core
-from kvbridge._tensors import KVCache, as_tokens, host_kv, kv_views, legacy_to_cache
+from kvbridge._tensors import KVCache, as_tokens, host_kv, kv_views
+from kvbridge.hf import legacy_to_cache
 from kvbridge._core import InvalidArgumentError
 
 

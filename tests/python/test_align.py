@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvbridge
-from kvbridge import testbed
+from kvbridge.experiments import testbed
 from test_adapter import planted_sample, planted_weights
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvbridge
-from kvbridge import testbed
+from kvbridge.experiments import testbed
 from test_adapter import planted_weights
 from test_align import _planted, bpe  # noqa: F401  (bpe is a fixture)
 

@@ -12,7 +12,8 @@ import torch
 
 import kvbridge
 from kvbridge import bridge as bridge_mod
-from kvbridge import testbed
+from kvbridge import hf
+from kvbridge.experiments import testbed
 from conftest import random_kv
 from test_adapter import planted_sample, planted_weights, SRC as PSRC, TGT as PTGT
 from test_align import bpe  # noqa: F401  (a fixture)
@@ -136,14 +137,14 @@ def pair():
 
 @pytest.fixture(scope="module")
 def shipped(pair):
-    from kvbridge import eval as ev
+    from kvbridge.experiments import eval as ev
 
     return ev.load_adapter(ev.DEFAULT_ADAPTER, pair)
 
 
 def test_monitor_counts_nan_logits_as_a_failed_check_and_never_raises(pair, shipped, caplog):
-    from kvbridge import eval as ev
     from kvbridge import monitor
+    from kvbridge.experiments import eval as ev
 
     # recompute_tail 0: the shipped adapter's recorded 96 would leave nothing of this prompt.
     bridge = kvbridge.Bridge(kvbridge.KVStore(64 << 20, chunk_tokens=16),
@@ -153,7 +154,7 @@ def test_monitor_counts_nan_logits_as_a_failed_check_and_never_raises(pair, ship
     mon = monitor.QualityMonitor(bridge, {pair.target.spec: pair.target.model}, sample_rate=1.0)
     prompt = ev.text_windows(pair, "heldout", 60, 1)[0]
     # A converted entry with a NaN, written behind the bridge's back (an older writer).
-    kv = ev.prefix_kv(pair.target.model, prompt[:48])
+    kv = hf.prefix_kv(pair.target.model, prompt[:48])
     kv[0][0][0, 0, 3, 0] = float("nan")
     bridge.store.put(pair.target.spec, prompt[:48], kv,
                      converted_from=pair.source.spec.fingerprint, adapter=shipped.fingerprint)
@@ -170,15 +171,15 @@ def test_monitor_counts_nan_logits_as_a_failed_check_and_never_raises(pair, ship
 
 
 def test_monitor_check_failures_do_not_reach_the_load(pair, shipped, monkeypatch, caplog):
-    from kvbridge import eval as ev
     from kvbridge import monitor
+    from kvbridge.experiments import eval as ev
 
     bridge = kvbridge.Bridge(kvbridge.KVStore(64 << 20, chunk_tokens=16),
                              min_quality=float("-inf"), recompute_tail=0)  # 60-token prompt
     bridge.add_adapter(shipped)
     mon = monitor.QualityMonitor(bridge, {pair.target.spec: pair.target.model}, sample_rate=1.0)
     prompt = ev.text_windows(pair, "heldout", 60, 2)[1]
-    bridge.save(pair.source.spec, prompt, ev.prefix_kv(pair.source.model, prompt))
+    bridge.save(pair.source.spec, prompt, hf.prefix_kv(pair.source.model, prompt))
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory in the shadow prefill")

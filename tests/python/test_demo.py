@@ -1,11 +1,12 @@
-"""kvbridge.demo: main() on a small batch; its report agrees with the Bridge's stats and with
-a direct conversion, and a missing or stale adapter is refitted, never used."""
+"""kvbridge.experiments.demo: main() on a small batch; its report agrees with the Bridge's stats and
+with a direct conversion, and a missing or stale adapter is refitted, never used."""
 import pytest
 import torch
 
 import kvbridge
-from kvbridge import demo
-from kvbridge import eval as ev
+from kvbridge import hf
+from kvbridge.experiments import demo
+from kvbridge.experiments import eval as ev
 import tiny_testbed
 
 ARGS = ["--prompts", "3", "--window-tokens", "40", "--continuation-tokens", "8",
@@ -66,7 +67,7 @@ def test_bridge_conversion_matches_direct_convert(monkeypatch):
     bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 24, chunk_tokens=8),
                              min_quality=float("-inf"))
     bridge.add_adapter(adapter)
-    src_kv = ev.prefix_kv(pair.source.model, prompt)
+    src_kv = hf.prefix_kv(pair.source.model, prompt)
     bridge.save(pair.source.spec, prompt, src_kv)
     load = bridge.load(pair.target.spec, prompt)
     assert load.tokens == 32 == report["rows"][0]["loaded_tokens"]
@@ -78,8 +79,8 @@ def test_bridge_conversion_matches_direct_convert(monkeypatch):
 
 def test_shipped_adapter_fits_the_shipped_weights():
     # Fails whenever the testbed weights change without a refit of the shipped adapter
-    # (python -m kvbridge.eval --save-adapter ..., or scripts/fit_testbed_adapter.py).
-    testbed = pytest.importorskip("kvbridge.testbed")
+    # (python -m kvbridge.experiments.eval --save-adapter ..., or scripts/fit_testbed_adapter.py).
+    testbed = pytest.importorskip("kvbridge.experiments.testbed")
     pair = testbed.load_pair()
     adapter = ev.load_adapter(ev.DEFAULT_ADAPTER, pair)
     assert adapter.source.name == "testbed-a" and adapter.target.name == "testbed-b"
@@ -87,8 +88,8 @@ def test_shipped_adapter_fits_the_shipped_weights():
 
 
 def test_cross_tokenizer_row_serves_the_aligned_conversion():
-    testbed = pytest.importorskip("kvbridge.testbed")
-    from kvbridge import eval_cross as xe
+    testbed = pytest.importorskip("kvbridge.experiments.testbed")
+    from kvbridge.experiments import eval_cross as xe
 
     pair = testbed.load_pair("testbed-a", "testbed-c")
     adapter = demo.get_cross_adapter(pair, xe.DEFAULT_CROSS_ADAPTER, 4)["adapter"]
@@ -108,12 +109,12 @@ def test_cross_tokenizer_row_serves_the_aligned_conversion():
         index, missing = xe.alignment(adapter.report["alignment_policy"], src,
                                       xe.Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m]))
         assert missing == 0
-        want = adapter.convert(ev.prefix_kv(pair.source.model, src.ids), alignment=index)
+        want = adapter.convert(hf.prefix_kv(pair.source.model, src.ids), alignment=index)
         bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 26, chunk_tokens=16), min_quality=0.0)
         bridge.add_tokenizer(pair.source.spec, pair.source.tokenizer)
         bridge.add_tokenizer(pair.target.spec, pair.target.tokenizer)
         bridge.add_adapter(adapter)
-        bridge.save(pair.source.spec, src.ids, ev.prefix_kv(pair.source.model, src.ids))
+        bridge.save(pair.source.spec, src.ids, hf.prefix_kv(pair.source.model, src.ids))
         load = bridge.load(pair.target.spec, tgt.ids)
         assert load.tokens == m
         for (k, v), (wk, wv) in zip(load.kv, want):

@@ -186,7 +186,7 @@ def test_cli_errors_are_messages(tmp_path, capsys):
         assert e.value.code == 2 and needle in capsys.readouterr().err
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    pytest.importorskip("kvbridge.testbed")
+    pytest.importorskip("kvbridge.experiments.testbed")
     assert cli.main(["eval", "--adapter", str(bad), "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kvbridge eval: error: ") and "Traceback" not in err

@@ -1,5 +1,5 @@
-"""kvbridge.eval: the metric definitions on hand-computed cases and on a model's own cache, the
-window packing, the stale-adapter check, and a short end-to-end run's results.json."""
+"""kvbridge.experiments.eval: the metric definitions on hand-computed cases and on a model's own
+cache, the window packing, the stale-adapter check, and a short end-to-end run's results.json."""
 import json
 import math
 
@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import kvbridge
-from kvbridge import eval as ev
+from kvbridge import hf
+from kvbridge.experiments import common
+from kvbridge.experiments import eval as ev
 import tiny_testbed
 
 
@@ -23,7 +25,7 @@ def test_sums_hand_computed():
     conv = torch.tensor([[0.0, ln2, 0.0], [0.0, ln2, 0.0]], dtype=torch.float64)
     none = torch.zeros(2, 3)
     targets = torch.tensor([0, 1])
-    s = ev.Sums()
+    s = common.Sums()
     s.add(own, conv, none, targets)
     m = s.metrics()
     l_own = (math.log(2) + math.log(2)) / 2          # p = 1/2, 1/2
@@ -38,7 +40,7 @@ def test_sums_hand_computed():
 
 
 def test_sums_pool_tokens_not_windows():
-    s = ev.Sums()
+    s = common.Sums()
     a = torch.tensor([[2.0, 0.0]])
     s.add(a, a, torch.zeros(1, 2), torch.tensor([0]))
     b = torch.tensor([[0.0, 2.0]] * 3)
@@ -50,21 +52,22 @@ def test_sums_pool_tokens_not_windows():
 
 
 def test_kept_edges():
-    assert ev.kept(3.0, 3.0, 2.0) == 0.0
-    assert ev.kept(3.0, 2.0, 2.0) == 1.0
-    assert ev.kept(3.0, 2.5, 2.0) == 0.5
-    assert math.isnan(ev.kept(2.0, 2.0, 2.0))  # no benefit to keep
+    assert common.kept(3.0, 3.0, 2.0) == 0.0
+    assert common.kept(3.0, 2.0, 2.0) == 1.0
+    assert common.kept(3.0, 2.5, 2.0) == 0.5
+    assert math.isnan(common.kept(2.0, 2.0, 2.0))  # no benefit to keep
     with pytest.raises(ValueError):
-        ev.Sums().metrics()
+        common.Sums().metrics()
     with pytest.raises(ValueError):
-        ev.Sums().add(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(1, 3), torch.tensor([0]))
+        common.Sums().add(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(1, 3),
+                          torch.tensor([0]))
 
 
 def test_own_cache_fed_back_keeps_everything(pair):
     windows = ev.text_windows(pair, "heldout", 40, 3, data=tiny_testbed)
     target = pair.target.model
     scores = ev.score_windows(target, windows, 10, pair.tokenizer.bos_id,
-                              lambda ids: ev.prefix_kv(target, ids),
+                              lambda ids: hf.prefix_kv(target, ids),
                               {"own": lambda kv: kv,
                                "perturbed": lambda kv: tuple((k + 0.5 * torch.randn_like(k), v)
                                                              for k, v in kv)})
@@ -80,9 +83,9 @@ def test_own_cache_fed_back_keeps_everything(pair):
 
 def test_prefix_then_rest_equals_full_forward(pair):
     ids = pair.tokenizer.encode("the cat sat on a mat.")
-    full, _ = ev.forward(pair.target.model, ids)
-    kv = ev.prefix_kv(pair.target.model, ids[:9])
-    rest, _ = ev.forward(pair.target.model, ids[9:], kv)
+    full, _ = hf.forward(pair.target.model, ids)
+    kv = hf.prefix_kv(pair.target.model, ids[:9])
+    rest, _ = hf.forward(pair.target.model, ids[9:], kv)
     torch.testing.assert_close(rest, full[9:], atol=1e-5, rtol=1e-5)
 
 
@@ -138,7 +141,7 @@ def test_smoke_run_results(tmp_path, monkeypatch):
         assert v["tokens"] == 3 * 8
         assert len(v["r2_key"]) == len(v["r2_value"]) == len(v["source_layers"]) == 3
         assert 0.0 <= v["agreement"] <= 1.0
-        want = ev.kept(v["loss_none"], v["loss_conv"], v["loss_own"])
+        want = common.kept(v["loss_none"], v["loss_conv"], v["loss_own"])
         if math.isnan(want):
             assert v["kept"] is None
         else:

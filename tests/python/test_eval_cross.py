@@ -1,5 +1,5 @@
-"""kvbridge.eval_cross: windows cut on text, alignment with the BOS fallback and the naive
-ablation, the prefix/continuation split, the scoring plumbing (an exact cache gives kept = 1),
+"""kvbridge.experiments.eval_cross: windows cut on text, alignment with the BOS fallback and the
+naive ablation, the prefix/continuation split, the scoring plumbing (an exact cache gives kept = 1),
 and a small run on the shipped testbed-a -> testbed-c pair."""
 import json
 import math
@@ -13,9 +13,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import kvbridge  # noqa: E402
-from kvbridge import eval as ev  # noqa: E402
-from kvbridge import eval_cross as xe  # noqa: E402
-from kvbridge import testbed  # noqa: E402
+from kvbridge.experiments import common  # noqa: E402
+from kvbridge.experiments import eval as ev  # noqa: E402
+from kvbridge.experiments import eval_cross as xe  # noqa: E402
+from kvbridge.experiments import testbed  # noqa: E402
 
 
 def test_utf8_prefix_ends_on_a_character():
@@ -108,7 +109,7 @@ def test_small_run_a_to_c(a_to_c, tmp_path):
         assert v["alignment_policy"] == ("" if name == xe.NAIVE else name)
         assert 0.0 <= v["agreement"] <= 1.0 and v["tokens"] > 4
         assert len(v["r2_key"]) == a_to_c.target.spec.num_layers
-        want = ev.kept(v["loss_none"], v["loss_conv"], v["loss_own"])
+        want = common.kept(v["loss_none"], v["loss_conv"], v["loss_own"])
         assert math.isnan(want) and math.isnan(v["kept"]) or v["kept"] == pytest.approx(want)
         # a byte-level source ends a token at every byte: nothing is left unserved
         assert v["unaligned_prefix_tokens"] == 0 and v["fit_unaligned_target_tokens"] == 0
@@ -118,7 +119,7 @@ def test_small_run_a_to_c(a_to_c, tmp_path):
     assert all(r["ratio"] == pytest.approx(r["own_ms"] / r["converted_ms"]) for r in rows)
     table = xe.format_table(results)
     assert "| seen |" in table and "| naive |" in table
-    paths = ev.write_results(results, str(tmp_path))
+    paths = common.write_results(results, str(tmp_path))
     assert json.loads(open(paths["json"]).read())["best_variant"] == results["best_variant"]
 
 
@@ -134,7 +135,7 @@ def test_eval_command_hands_cross_pairs_over(monkeypatch, tmp_path):
 
 def test_shipped_a_to_c_adapter_fits_the_shipped_weights(a_to_c):
     # Fails whenever testbed-a or testbed-c change without a refit of the shipped adapter
-    # (the command in kvbridge.eval_cross.DEFAULT_CROSS_ADAPTER's comment).
+    # (the command in kvbridge.experiments.eval_cross.DEFAULT_CROSS_ADAPTER's comment).
     adapter = ev.load_adapter(xe.DEFAULT_CROSS_ADAPTER, a_to_c)
     assert adapter.report["alignment_policy"] in kvbridge.ALIGN_POLICIES
     assert adapter.source.tokenizer == a_to_c.source.tokenizer.id

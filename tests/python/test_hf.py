@@ -8,7 +8,8 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 import kvbridge  # noqa: E402
-from kvbridge import hf, testbed  # noqa: E402
+from kvbridge import hf  # noqa: E402
+from kvbridge.experiments import testbed  # noqa: E402
 
 from conftest import random_kv  # noqa: E402
 

@@ -17,7 +17,7 @@ from conftest import random_kv
 from test_adapter import adapter_checksum, read_adapter_file
 
 LA = kvbridge.LayerAttention
-ADAPTERS = pathlib.Path(kvbridge.__file__).parent / "testbed" / "adapters"
+ADAPTERS = pathlib.Path(kvbridge.__file__).parent / "experiments" / "testbed" / "adapters"
 
 
 def gemma_like(**kw):

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from kvbridge import eval as ev
+from kvbridge import hf
+from kvbridge.experiments import eval as ev
 import tiny_testbed
 
 
@@ -20,7 +21,7 @@ def test_every_layer_exact_is_the_own_cache(pair):
     adapter = ev.fit_variants(pair, train, ["rope_auto"])["rope_auto"]
     layers = pair.target.spec.num_layers
     scores = ev.score_levers(pair.target.model, windows, 8, pair.tokenizer.bos_id,
-                             lambda ids: ev.prefix_kv(pair.source.model, ids), adapter,
+                             lambda ids: hf.prefix_kv(pair.source.model, ids), adapter,
                              [(0, 0), (3, 0), (0, layers), (5, layers)])
     for tail in (0, 5):
         own = scores[ev.lever_name(tail, layers)]
@@ -32,14 +33,14 @@ def test_every_layer_exact_is_the_own_cache(pair):
     assert scores[ev.lever_name(3, 0)]["loss_conv"] != conv["loss_conv"]
     with pytest.raises(ValueError, match="too short"):
         ev.score_levers(pair.target.model, windows, 8, pair.tokenizer.bos_id,
-                        lambda ids: ev.prefix_kv(pair.source.model, ids), adapter, [(31, 0)])
+                        lambda ids: hf.prefix_kv(pair.source.model, ids), adapter, [(31, 0)])
 
 
 def test_lever_grid():
     assert ev.lever_grid(ev.EvalConfig(tail_tokens=[0, 4], exact_layers=[1])) == [(0, 1), (4, 1)]
     assert ev.lever_grid(ev.EvalConfig(exact_layers=[2])) == [(0, 2)]
     assert ev.lever_grid(ev.EvalConfig(), data=tiny_testbed) == []  # it has no BRIDGE_OPTIONS
-    from kvbridge import testbed
+    from kvbridge.experiments import testbed
 
     r = testbed.BRIDGE_OPTIONS["recompute_tail"]
     assert ev.lever_grid(ev.EvalConfig()) == [(0, 0), (r, 0)]

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import kvbridge
-from kvbridge import eval as kv_eval
-from kvbridge import eval_cross
 from kvbridge import hf, models, specs
 from kvbridge.experiments import corpus, real_eval
+from kvbridge.experiments import eval_cross
 
 pytestmark = pytest.mark.skipif(
     not all(models.installed(n) for n in ("smollm2-135m", "gemma3-270m")),
@@ -89,7 +88,7 @@ def test_gemma_past_its_window_store_round_trip_matches_a_full_prefill(gemma):
     ids = random_ids(760, seed=1)
     full = gemma.model(torch.tensor([ids])).logits[0]
     prefix = 704
-    kv = kv_eval.prefix_kv(gemma.model, ids[:prefix])
+    kv = hf.prefix_kv(gemma.model, ids[:prefix])
     store = kvbridge.KVStore(1 << 30, chunk_tokens=64)
     assert store.put(gemma.spec, ids[:prefix], kv) == prefix
     hit = store.match(gemma.spec, ids, as_cache=True)
@@ -123,7 +122,7 @@ def test_small_fit_and_convert_across_tokenizers(smollm2, gemma):
     tgt = real_eval.encode(gemma, text)
     index, missing = eval_cross.alignment("covering", src, tgt)
     assert missing == 0 and index[0] == 0  # start token to start token
-    src_kv = kv_eval.prefix_kv(smollm2.model, src.ids)
+    src_kv = hf.prefix_kv(smollm2.model, src.ids)
     fast = adapter.convert(src_kv, alignment=index)
     ref = adapter.convert(src_kv, alignment=index, reference=True)
     assert len(fast) == 18 and fast[0][0].shape == (1, 1, len(tgt.ids), 256)

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import kvbridge
-from kvbridge import eval as ev
-from kvbridge import exact, monitor, testbed
+from kvbridge import exact, monitor
+from kvbridge import hf
+from kvbridge.experiments import eval as ev
+from kvbridge.experiments import testbed
 
 CHUNK = 16
 
@@ -51,7 +53,7 @@ def make_bridge(*adapters, **options):
 def test_own_first_layers_equal_the_full_prefill(pair):
     model = pair.target.model
     ids = pair.tokenizer.encode(testbed.texts("heldout")[3])[:45]
-    own = ev.prefix_kv(model, ids)
+    own = hf.prefix_kv(model, ids)
     for k in (1, 2, pair.target.spec.num_layers):
         mine = exact.own_first_layers(model, ids, k)
         assert len(mine) == k
@@ -69,8 +71,8 @@ def test_own_first_layers_equal_the_full_prefill(pair):
 
 def test_exact_layers_replace_only_the_first(pair, shipped):
     ids = pair.tokenizer.encode(testbed.texts("heldout")[4])[:50]
-    conv = shipped.convert(ev.prefix_kv(pair.source.model, ids[:40]))
-    own = ev.prefix_kv(pair.target.model, ids[:40])
+    conv = shipped.convert(hf.prefix_kv(pair.source.model, ids[:40]))
+    own = hf.prefix_kv(pair.target.model, ids[:40])
     out = exact.exact_layers(pair.target.model, ids, conv, 2)  # tokens may run past the cache
     for i, ((k, v), (ck, cv), (ok, ov)) in enumerate(zip(out, conv, own)):
         if i < 2:
@@ -86,14 +88,14 @@ def test_exact_layers_replace_only_the_first(pair, shipped):
 
 def test_bridge_levers_tail_and_exact_layers(pair, shipped):
     ids = pair.tokenizer.encode(testbed.texts("heldout")[5])[:53]
-    src_kv = ev.prefix_kv(pair.source.model, ids)
+    src_kv = hf.prefix_kv(pair.source.model, ids)
     bridge = make_bridge(shipped, recompute_tail=5, exact_layers=1, write_back=False)
     assert (bridge.recompute_tail, bridge.exact_layers) == (5, 1)
     bridge.save(pair.source.spec, ids, src_kv)
     hit = bridge.load(pair.target.spec, ids, model=pair.target.model)
     assert hit.converted and hit.tokens == 47  # 53 - 1 - 5
     conv = shipped.convert(tuple((k[:, :, :47], v[:, :, :47]) for k, v in src_kv))
-    own = ev.prefix_kv(pair.target.model, ids[:47])
+    own = hf.prefix_kv(pair.target.model, ids[:47])
     torch.testing.assert_close(hit.kv[0][0], own[0][0], atol=1e-6, rtol=1e-6)
     for (k, v), (ck, cv) in zip(hit.kv[1:], conv[1:]):
         torch.testing.assert_close(k, ck, atol=1e-5, rtol=1e-5)
@@ -124,7 +126,7 @@ def test_compare_logits_hand_computed():
 def test_compare_own_cache_is_perfect_and_noise_is_not(pair):
     model = pair.target.model
     ids = pair.tokenizer.encode(testbed.texts("heldout")[6])[:70]
-    own = ev.prefix_kv(model, ids[:69])
+    own = hf.prefix_kv(model, ids[:69])
     c = monitor.compare(model, ids, own, positions=8)
     assert (c.positions, c.agreed, c.loss_positions) == (8, 8, 7)
     assert c.kl < 1e-9 and abs(c.loss_gap) < 1e-6
@@ -143,7 +145,7 @@ def test_monitor_disables_a_damaged_adapter_within_min_checks(pair, damaged, pro
     bridge = make_bridge(damaged, min_agreement=0.9, check_window=16, min_checks=4)
     mon = monitor.QualityMonitor(bridge, {pair.target.spec: pair.target.model}, sample_rate=1.0)
     for p in prompts:
-        bridge.save(pair.source.spec, p, ev.prefix_kv(pair.source.model, p))
+        bridge.save(pair.source.spec, p, hf.prefix_kv(pair.source.model, p))
     with caplog.at_level(logging.WARNING, logger="kvbridge.monitor"):
         converted = 0
         for p in prompts:
@@ -171,7 +173,7 @@ def test_monitor_keeps_the_shipped_adapter(pair, shipped, prompts):
     mon = monitor.QualityMonitor(bridge, {pair.target.spec.fingerprint: pair.target.model},
                                  sample_rate=1.0)
     for p in prompts:
-        bridge.save(pair.source.spec, p, ev.prefix_kv(pair.source.model, p))
+        bridge.save(pair.source.spec, p, hf.prefix_kv(pair.source.model, p))
         mon.load(pair.target.spec, p)
     h = mon.stats()["adapters"][shipped.fingerprint]
     assert h["enabled"] and h["checks"] == len(prompts)
@@ -188,7 +190,7 @@ def test_sampling_is_seeded(pair, shipped, prompts):
         mon = monitor.QualityMonitor(bridge, {pair.target.spec: pair.target.model},
                                      sample_rate=rate, seed=seed)
         p = prompts[0]
-        bridge.save(pair.source.spec, p, ev.prefix_kv(pair.source.model, p))
+        bridge.save(pair.source.spec, p, hf.prefix_kv(pair.source.model, p))
         for _ in range(30):
             mon.load(pair.target.spec, p, return_kv=True)
         s = mon.stats()
@@ -237,7 +239,7 @@ def test_record_check_validation(shipped):
 
 
 def test_probe_refuses_adapters_across_tokenizers():
-    from kvbridge import eval_cross
+    from kvbridge.experiments import eval_cross
 
     cross = testbed.load_pair(source="testbed-a", target="testbed-c")
     adapter = kvbridge.LinearAdapter.load(eval_cross.DEFAULT_CROSS_ADAPTER)
@@ -254,12 +256,12 @@ def test_forward_continues_a_cache(pair):
     cache reaches the model under the keyword the installed transformers takes)."""
     model = pair.target.model
     ids = pair.tokenizer.encode(testbed.texts("heldout")[5])[:37]
-    whole, _ = ev.forward(model, ids)
-    _, past = ev.forward(model, ids[:23])
-    tail, kv = ev.forward(model, ids[23:], past)
+    whole, _ = hf.forward(model, ids)
+    _, past = hf.forward(model, ids[:23])
+    tail, kv = hf.forward(model, ids[23:], past)
     torch.testing.assert_close(tail, whole[23:], atol=1e-4, rtol=1e-4)
     assert kv[0][0].shape[2] == len(ids)
-    none, _ = ev.forward(model, ids[23:])  # without the prefix the logits differ
+    none, _ = hf.forward(model, ids[23:])  # without the prefix the logits differ
     assert (none - whole[23:]).abs().max() > 0.1
 
 

@@ -1,12 +1,12 @@
-"""kvbridge.refine: the differentiable conversion against the float64 reference, and a short
-seeded refinement on the tiny stand-in models (deterministic, never worse on validation, a
+"""kvbridge.experiments.refine: the differentiable conversion against the float64 reference, and a
+short seeded refinement on the tiny stand-in models (deterministic, never worse on validation, a
 normal checksummed adapter file with a recomputed fit report)."""
 import pytest
 import torch
 
 import kvbridge
-from kvbridge import eval as ev
-from kvbridge import refine
+from kvbridge.experiments import eval as ev
+from kvbridge.experiments import refine
 import tiny_testbed
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvbridge
+from kvbridge import hf
 from kvbridge.adapter import choose_serving
 from conftest import random_kv
 from test_bridge import SRC, TGT, fit_planted, make_bridge, max_rel_diff, prefix, tokens_of
@@ -161,8 +162,8 @@ def test_real_eval_records_the_least_tail_reaching_the_goal():
 
 
 def test_shipped_adapters_carry_their_record():
-    from kvbridge import eval as ev
-    from kvbridge import eval_cross, testbed
+    from kvbridge.experiments import eval as ev
+    from kvbridge.experiments import eval_cross, testbed
 
     ab = kvbridge.LinearAdapter.load(ev.DEFAULT_ADAPTER)
     assert ab.serving["recompute_tail"] == testbed.BRIDGE_OPTIONS["recompute_tail"] == 96
@@ -183,8 +184,8 @@ def test_shipped_adapters_carry_their_record():
 
 def test_shipped_adapter_default_reproduces_bridge_options():
     """A plain Bridge() serves the shipped adapter as Bridge(**testbed.BRIDGE_OPTIONS) does."""
-    from kvbridge import eval as ev
-    from kvbridge import testbed
+    from kvbridge.experiments import eval as ev
+    from kvbridge.experiments import testbed
 
     pair = testbed.load_pair()
     shipped = ev.load_adapter(ev.DEFAULT_ADAPTER, pair)
@@ -198,7 +199,7 @@ def test_shipped_adapter_default_reproduces_bridge_options():
             ids = pair.tokenizer.encode(text)[:200]
             if len(ids) < 120:
                 continue
-            bridge.save(pair.source.spec, ids, ev.prefix_kv(pair.source.model, ids))
+            bridge.save(pair.source.spec, ids, hf.prefix_kv(pair.source.model, ids))
             got.append(bridge.load(pair.target.spec, ids))
         loads[name] = got
     assert len(loads["default"]) >= 3
@@ -211,7 +212,7 @@ def test_shipped_adapter_default_reproduces_bridge_options():
 
 def test_kvbridge_eval_saves_the_serving_record(tmp_path, monkeypatch):
     import tiny_testbed
-    from kvbridge import eval as ev
+    from kvbridge.experiments import eval as ev
 
     tiny_testbed.install(monkeypatch)
     path = tmp_path / "saved.safetensors"

@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("transformers")
 
 import kvbridge  # noqa: E402
-from kvbridge import hf, specs, testbed  # noqa: E402
+from kvbridge import hf, specs  # noqa: E402
+from kvbridge.experiments import testbed  # noqa: E402
 
 # float32 logits of an incremental decode vs one full forward: same math, different reduction
 # shapes, so they agree to rounding; 1e-4 absolute is far below any real difference (logits ~10).

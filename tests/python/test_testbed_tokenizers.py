@@ -2,6 +2,7 @@
 round trips, the plain-tokenizers and transformers views of testbed-c's file, spec rules."""
 import importlib.util
 import json
+import pathlib
 import random
 import sys
 
@@ -10,7 +11,9 @@ import torch
 
 pytest.importorskip("tokenizers")
 
-from kvbridge import specs, testbed  # noqa: E402
+import kvbridge  # noqa: E402
+from kvbridge import specs  # noqa: E402
+from kvbridge.experiments import testbed  # noqa: E402
 
 MIXED = "Grüße, 東京 🙂 naïve <eos> x\tend\n"
 
@@ -115,7 +118,7 @@ def test_bpe_file_loads_as_plain_tokenizers_and_transformers(bpe):
 def _vllm_options(monkeypatch):
     """kvbridge/vllm/options.py (the connector's spec rule) without the vllm package: its
     module imports kvbridge only, but the package's __init__ imports vLLM."""
-    path = testbed.MODELS_DIR.parents[1] / "vllm" / "options.py"
+    path = pathlib.Path(kvbridge.__file__).parent / "vllm" / "options.py"
     name = "kvbridge_vllm_options_under_test"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

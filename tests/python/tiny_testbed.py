@@ -1,6 +1,6 @@
-"""A stand-in with kvbridge.testbed's API for fast tests: two tiny random Hugging Face models
-(Llama and Qwen2 shaped, different widths, head layouts and RoPE bases), a character tokenizer
-and seeded synthetic texts. Install it with `install(monkeypatch)`."""
+"""A stand-in with kvbridge.experiments.testbed's API for fast tests: two tiny random Hugging Face
+models (Llama and Qwen2 shaped, different widths, head layouts and RoPE bases), a character
+tokenizer and seeded synthetic texts. Install it with `install(monkeypatch)`."""
 import random
 import sys
 import types
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import kvbridge
+import kvbridge.experiments
 
 MAX_CONTEXT = 48
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz .,\n"
@@ -72,15 +73,15 @@ def texts(split):
 
 
 def prefill(model, input_ids):
-    from kvbridge.eval import forward
+    from kvbridge.hf import forward
 
     logits, kv = forward(model, input_ids)
     return logits.unsqueeze(0), kv
 
 
 def install(monkeypatch):
-    """Makes `from kvbridge import testbed` return this module for the test."""
+    """Makes `from kvbridge.experiments import testbed` return this module for the test."""
     module = sys.modules[__name__]
-    monkeypatch.setitem(sys.modules, "kvbridge.testbed", module)
-    monkeypatch.setattr(kvbridge, "testbed", module, raising=False)
+    monkeypatch.setitem(sys.modules, "kvbridge.experiments.testbed", module)
+    monkeypatch.setattr(kvbridge.experiments, "testbed", module, raising=False)
     return module

@@ -42,7 +42,7 @@ def folder_llm(folder: str, extra, block_size: int, max_model_len: int):
     KVBridgeConnector configured by `extra` (None: no connector)."""
     from vllm import LLM
 
-    from kvbridge.vllm.testbed import connector_config
+    from kvbridge.experiments.vllm_testbed import connector_config
 
     opts = dict(model=folder, dtype="float32", block_size=block_size,
                 max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=True,
@@ -56,7 +56,7 @@ def main(config_path: str, out_path: str) -> None:
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvbridge.vllm.testbed import greedy, testbed_llm, token_prompts
+    from kvbridge.experiments.vllm_testbed import greedy, testbed_llm, token_prompts
 
     with open(config_path) as f:
         cfg = json.load(f)

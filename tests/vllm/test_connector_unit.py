@@ -1,6 +1,6 @@
 """Parts of KVBridgeConnector that need no engine: extra-config validation, the ModelSpec
-derivation (against kvbridge.testbed and the shipped adapter's recorded specs), and the worker's
-load into paged blocks with the failures vLLM must recompute."""
+derivation (against kvbridge.experiments.testbed and the shipped adapter's recorded specs), and the
+worker's load into paged blocks with the failures vLLM must recompute."""
 import functools
 import pathlib
 
@@ -10,9 +10,10 @@ import torch
 pytest.importorskip("vllm")
 
 import kvbridge  # noqa: E402
-from kvbridge import specs, testbed  # noqa: E402
+from kvbridge import specs  # noqa: E402
+from kvbridge.experiments import testbed  # noqa: E402
+from kvbridge.experiments.vllm_testbed import ADAPTER  # noqa: E402
 from kvbridge.vllm import connector, options, paged  # noqa: E402
-from kvbridge.vllm.testbed import ADAPTER  # noqa: E402
 
 
 

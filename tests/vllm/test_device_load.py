@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("vllm")
 
 import kvbridge  # noqa: E402
+from kvbridge.experiments.vllm_testbed import ADAPTER  # noqa: E402
 from kvbridge.vllm import connector, device_load, paged  # noqa: E402
-from kvbridge.vllm.testbed import ADAPTER  # noqa: E402
 
 CHUNK = 32
 NS = "tenant"

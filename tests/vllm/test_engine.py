@@ -20,15 +20,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvbridge import prefix_hashes, testbed  # noqa: E402
-from kvbridge.vllm.testbed import ADAPTER, BLOCK_SIZE, heldout_prompts  # noqa: E402
+from kvbridge import prefix_hashes  # noqa: E402
+from kvbridge.experiments import testbed  # noqa: E402
+from kvbridge.experiments.vllm_testbed import ADAPTER, BLOCK_SIZE, heldout_prompts  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 CHUNK = BLOCK_SIZE
 MAX_TOKENS = 8
 NUM_PROMPTS = 16
-#: First-token agreement the test requires of B's converted loads. kvbridge.eval measures a
-#: greedy agreement of 0.976 per continuation position for the shipped adapter
+#: First-token agreement the test requires of B's converted loads. kvbridge.experiments.eval
+#: measures a greedy agreement of 0.976 per continuation position for the shipped adapter
 #: (benchmarks/RESULTS.md); 16 prompts allow a few misses.
 MIN_FIRST_TOKEN_AGREEMENT = 0.8
 #: Same-model reuse: where a kernel difference changes a token (it did not in our runs), the
@@ -164,7 +165,7 @@ def expected_converted(ids):
 
 
 def test_specs_match_the_testbed(runs):
-    """vLLM derives the same ModelSpec as kvbridge.testbed for both models."""
+    """vLLM derives the same ModelSpec as kvbridge.experiments.testbed for both models."""
     assert runs["a"]["spec"] == runs["spec_a"].fingerprint
     assert runs["b"]["spec"] == testbed.load_model("testbed-b").spec.fingerprint
 

@@ -17,12 +17,13 @@ import torch
 pytest.importorskip("vllm")
 
 import kvbridge  # noqa: E402
-from kvbridge import _core, monitor, testbed  # noqa: E402
-from kvbridge import eval as ev  # noqa: E402
+from kvbridge import _core, hf, monitor  # noqa: E402
+from kvbridge.experiments import testbed  # noqa: E402
+from kvbridge.experiments import vllm_testbed as engines  # noqa: E402
+from kvbridge.experiments.vllm_testbed import (ADAPTER, greedy, heldout_prompts,  # noqa: E402
+                                               token_prompts)
 from kvbridge.vllm import shadow  # noqa: E402
 from kvbridge.vllm.connector import OUTCOME_KEY  # noqa: E402
-from kvbridge.vllm import testbed as engines  # noqa: E402
-from kvbridge.vllm.testbed import ADAPTER, greedy, heldout_prompts, token_prompts  # noqa: E402
 
 #: The Bridge's default floor (the connector passes the Bridge's defaults through).
 FLOOR = dict((n, d) for n, _, d, _ in _core.Bridge.OPTIONS)["min_agreement"]
@@ -266,9 +267,9 @@ def run(tmp_path_factory):
     prompts = heldout_prompts(NUM_SHIPPED + NUM_DAMAGED)
     good, bad = prompts[:NUM_SHIPPED], prompts[NUM_SHIPPED:]
     for p in good:
-        conn.bridge.save(spec_a, p, ev.prefix_kv(pair.source.model, p))
+        conn.bridge.save(spec_a, p, hf.prefix_kv(pair.source.model, p))
     for p in bad:
-        conn.bridge.save(twin_spec, p, ev.prefix_kv(pair.source.model, p))
+        conn.bridge.save(twin_spec, p, hf.prefix_kv(pair.source.model, p))
     params = greedy(MAX_TOKENS)
     r = {"pair": pair, "shipped": shipped, "damaged": damaged, "good": good, "bad": bad,
          "conn": conn}

@@ -29,9 +29,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 import kvbridge
-from kvbridge import eval as kv_eval
 from kvbridge import models
 from kvbridge.experiments import corpus, real_eval
+from kvbridge.experiments.common import Sums, finite_or_null, int_at_least, set_threads
+from kvbridge.hf import forward, prefix_kv
 
 DEFAULT_SOURCE = "smollm2-135m"
 #: Held-out windows and tails a freshly fitted demo adapter is measured on for its serving
@@ -91,11 +92,11 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
 def greedy(model: Any, rest: Sequence[int], past: Any, steps: int) -> List[int]:
     """`steps` greedy tokens after running `rest` on the cache `past` (legacy tuple or None)."""
     out: List[int] = []
-    logits, kv = kv_eval.forward(model, rest, past, logits_to_keep=1)
+    logits, kv = forward(model, rest, past, logits_to_keep=1)
     for _ in range(steps):
         nxt = int(logits[-1].argmax())
         out.append(nxt)
-        logits, kv = kv_eval.forward(model, [nxt], kv, logits_to_keep=1)
+        logits, kv = forward(model, [nxt], kv, logits_to_keep=1)
     return out
 
 
@@ -109,31 +110,31 @@ def run_prompt(bridge: kvbridge.Bridge, pair: real_eval.Pair, text: str, prompt_
     tgt_all = real_eval.encode(tgt_m, text).ids
     ids = real_eval.encode(tgt_m, prompt).ids
     src_ids = real_eval.encode(src_m, prompt).ids
-    bridge.save(src_m.spec, src_ids, kv_eval.prefix_kv(src_m.model, src_ids))
+    bridge.save(src_m.spec, src_ids, prefix_kv(src_m.model, src_ids))
 
     t0 = time.perf_counter()
-    own_logits, own_kv = kv_eval.forward(tgt_m.model, ids, logits_to_keep=1)
+    own_logits, own_kv = forward(tgt_m.model, ids, logits_to_keep=1)
     own_first = int(own_logits[-1].argmax())
     t_own = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     hit = bridge.load(tgt_m.spec, ids)
     served = hit.tokens
-    conv_logits, _ = kv_eval.forward(tgt_m.model, ids[served:], hit.kv, logits_to_keep=1)
+    conv_logits, _ = forward(tgt_m.model, ids[served:], hit.kv, logits_to_keep=1)
     conv_first = int(conv_logits[-1].argmax())
     t_conv = time.perf_counter() - t0
 
     # kept and agreement over the text's next tokens, teacher forced
     cont = tgt_all[len(ids):len(ids) + continuation_tokens]
-    sums = kv_eval.Sums()
+    sums = Sums()
     if served and cont and tgt_all[:len(ids)] == ids:
         targets = torch.as_tensor(cont, dtype=torch.long)
-        lo, _ = kv_eval.forward(tgt_m.model, ids[-1:] + cont[:-1], kv_eval.prefix_kv(tgt_m.model, ids[:-1]))
-        lc, _ = kv_eval.forward(tgt_m.model, ids[served:] + cont[:-1], hit.kv)
-        ln, _ = kv_eval.forward(tgt_m.model, [tgt_m.bos_id] + cont[:-1])
+        lo, _ = forward(tgt_m.model, ids[-1:] + cont[:-1], prefix_kv(tgt_m.model, ids[:-1]))
+        lc, _ = forward(tgt_m.model, ids[served:] + cont[:-1], hit.kv)
+        ln, _ = forward(tgt_m.model, [tgt_m.bos_id] + cont[:-1])
         sums.add(lo, lc[-len(cont):], ln, targets)
     metrics = sums.metrics() if sums.tokens else {}
-    own_text = tgt_m.tokenizer.decode(greedy(tgt_m.model, ids[-1:], kv_eval.prefix_kv(
+    own_text = tgt_m.tokenizer.decode(greedy(tgt_m.model, ids[-1:], prefix_kv(
         tgt_m.model, ids[:-1]), steps))
     conv_text = (tgt_m.tokenizer.decode(greedy(tgt_m.model, ids[served:], hit.kv, steps))
                  if served else "")
@@ -169,7 +170,7 @@ def format_report(report: Dict[str, Any], width: int = 48) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    at_least = kv_eval.int_at_least
+    at_least = int_at_least
     p = argparse.ArgumentParser(prog="kvbridge demo --real", description=__doc__.split("\n")[0])
     p.add_argument("--source", default=DEFAULT_SOURCE)
     p.add_argument("--target", default=DEFAULT_TARGET)
@@ -188,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = build_parser().parse_args(argv)
-    kv_eval.set_threads(args.threads)
+    set_threads(args.threads)
     t_start = time.perf_counter()
     pair = real_eval.Pair(models.load(args.source, install_missing=True),
                           models.load(args.target, install_missing=True))
@@ -214,7 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=kv_eval._finite_or_null)
+            json.dump(report, f, indent=1, default=finite_or_null)
     return report
 
 

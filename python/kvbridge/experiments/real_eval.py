@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -47,10 +46,14 @@ import numpy as np
 import torch
 
 import kvbridge
-from kvbridge import eval as kv_eval
-from kvbridge import eval_cross, models
+from kvbridge import models
+from kvbridge._tensors import KVCache
 from kvbridge.adapter import choose_serving
-from kvbridge.experiments import corpus
+from kvbridge.experiments import corpus, eval_cross
+from kvbridge.experiments.common import (Sums, alternate_timings, finite_or_null, int_at_least,
+                                         layer_r2, next_token, progress_items, save_adapter,
+                                         set_threads)
+from kvbridge.hf import forward, prefix_kv
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,8 @@ def serving_record(results: Dict[str, Any], agreement_goal: float) -> Dict[str, 
     agreement_goal (kvbridge.adapter.choose_serving)."""
     points = []
     for r, v in results["tails"].items():
-        points.append({"recompute_tail": int(r), "kept": kv_eval._finite_or_null(v["kept"]),
-                       "agreement": kv_eval._finite_or_null(v["agreement"]),
+        points.append({"recompute_tail": int(r), "kept": finite_or_null(v["kept"]),
+                       "agreement": finite_or_null(v["agreement"]),
                        "computed_share": v["recomputed_share"],
                        "prompt_tokens": int(round(v["prompt_tokens"] / v["windows"]))})
     return choose_serving(points, agreement_goal,
@@ -128,20 +131,20 @@ def fit(pair: Pair, texts: Sequence[str], config: RealConfig,
     for pass_index in range(fitter.passes):  # two when a probe pass ranks layers first
         if pass_index > 0:
             fitter.next_pass()
-        for text in kv_eval.progress_items(texts, progress, desc="paired KV"):
+        for text in progress_items(texts, progress, desc="paired KV"):
             src, tgt = encode(pair.source, text), encode(pair.target, text)
             index, _ = eval_cross.alignment(config.policy, src, tgt)
-            fitter.add(kv_eval.prefix_kv(pair.source.model, src.ids),
-                       kv_eval.prefix_kv(pair.target.model, tgt.ids), alignment=index)
+            fitter.add(prefix_kv(pair.source.model, src.ids),
+                       prefix_kv(pair.target.model, tgt.ids), alignment=index)
     return fitter.fit(progress=progress)
 
 
-def start_kv(model: models.LoadedModel) -> kv_eval.KVCache:
+def start_kv(model: models.LoadedModel) -> KVCache:
     """The model's own KV of its start token at position 0: the same in every prompt."""
-    return kv_eval.prefix_kv(model.model, [model.bos_id])
+    return prefix_kv(model.model, [model.bos_id])
 
 
-def with_own_start(kv: kv_eval.KVCache, start: kv_eval.KVCache) -> kv_eval.KVCache:
+def with_own_start(kv: KVCache, start: KVCache) -> KVCache:
     """`kv` with its first token's KV replaced by the target's own start-token KV."""
     out = []
     for (k, v), (sk, sv) in zip(kv, start):
@@ -159,10 +162,10 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
     it (Bridge.add_start); False scores the conversion of the start token too (an ablation)."""
     src_m, tgt_m = pair.source, pair.target
     start = start_kv(tgt_m)
-    sums = {r: kv_eval.Sums() for r in tails}
+    sums = {r: Sums() for r in tails}
     computed = {r: 0 for r in tails}  # prompt tokens the target computes itself, per tail
     windows = prefix_tokens = 0
-    for text in kv_eval.progress_items(texts, progress, desc="held-out windows"):
+    for text in progress_items(texts, progress, desc="held-out windows"):
         split = eval_cross.split_window(tgt_m.tokenizer, text, share)
         if split is None:
             continue
@@ -171,14 +174,14 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
                                                                          tgt_m.bos_id)
         src = encode(src_m, split.prefix_text)
         index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
-        conv = adapter.convert(kv_eval.prefix_kv(src_m.model, src.ids), alignment=index)
+        conv = adapter.convert(prefix_kv(src_m.model, src.ids), alignment=index)
         if own_start:
             conv = with_own_start(conv, start)
         for r in tails:
             keep = max(1, p - 1 - r)  # the start token always comes from the cache
             computed[r] += p - keep
             part = tuple((k[:, :, :keep], v[:, :, :keep]) for k, v in conv)
-            logits_conv, _ = kv_eval.forward(tgt_m.model, ids[keep:-1], part)
+            logits_conv, _ = forward(tgt_m.model, ids[keep:-1], part)
             sums[r].add(logits_own, logits_conv[-len(targets):], logits_none, targets)
         windows += 1
         prefix_tokens += p - 1
@@ -208,13 +211,11 @@ def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[
     start = start_kv(tgt_m)  # registered once, as with Bridge.add_start
     rows = []
     for prompt in prompts:
-        src_kv = kv_eval.prefix_kv(src_m.model, encode(src_m, prompt).ids)  # as a store holds it
+        src_kv = prefix_kv(src_m.model, encode(src_m, prompt).ids)  # as a store holds it
         out: Dict[str, int] = {}
 
         def own():
-            ids = encode(tgt_m, prompt).ids
-            logits, _ = kv_eval.forward(tgt_m.model, ids, logits_to_keep=1)
-            out["own"] = int(logits[-1].argmax())
+            out["own"] = next_token(tgt_m.model, encode(tgt_m, prompt).ids)
 
         def converted():
             src, tgt = encode(src_m, prompt), encode(tgt_m, prompt)
@@ -222,16 +223,10 @@ def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[
             cached = eval_cross.Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m])
             index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
             kv = with_own_start(adapter.convert(src_kv, alignment=index), start)
-            logits, _ = kv_eval.forward(tgt_m.model, tgt.ids[m:], kv, logits_to_keep=1)
-            out["converted"] = int(logits[-1].argmax())
+            out["converted"] = next_token(tgt_m.model, tgt.ids[m:], kv)
 
-        own()
-        converted()
-        t_own, t_conv = [], []
-        for _ in range(repeats):
-            t_own.append(kv_eval._seconds(own))
-            t_conv.append(kv_eval._seconds(converted))
-        a, b = statistics.median(t_own), statistics.median(t_conv)
+        a, times = alternate_timings(own, {"converted": converted}, repeats)
+        b = times["converted"]
         rows.append({"target_tokens": len(encode(tgt_m, prompt).ids), "own_ms": 1e3 * a,
                      "converted_ms": 1e3 * b, "ratio": a / b,
                      "same_first_token": out["own"] == out["converted"]})
@@ -278,7 +273,7 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
         "text": {"train": corpus.describe(train_files), "heldout": corpus.describe(heldout_files),
                  "train_windows": len(train), "heldout_windows": len(heldout),
                  "heldout_files": [p.name for p in heldout_files]},
-        "adapter": {**kv_eval.layer_r2(adapter), "report": adapter.report},
+        "adapter": {**layer_r2(adapter), "report": adapter.report},
         "tails": {str(r): v for r, v in scores.items()},
         "ttft": {"rows": ttft, "threads": torch.get_num_threads()},
         "timings": timings,
@@ -350,7 +345,7 @@ def plot(results: Dict[str, Any], path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    at_least = kv_eval.int_at_least
+    at_least = int_at_least
     d = RealConfig()
     p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="short name, model folder or GGUF file")
@@ -399,7 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         tails=list(args.tails), ttft_tokens=list(args.ttft_tokens),
                         ttft_repeats=args.ttft_repeats, converted_start=args.converted_start,
                         seed=args.seed)
-    kv_eval.set_threads(args.threads)
+    set_threads(args.threads)
     files = [pathlib.Path(f) for f in args.text] if args.text else corpus.default_files()
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
@@ -412,15 +407,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         serving = serving_record(results, args.agreement_goal)
         adapter.serving = serving
         results["serving"] = serving
-        os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
-        adapter.save(args.save_adapter)
+        save_adapter(adapter, args.save_adapter)
         results["saved_adapter"] = args.save_adapter
         print(f"saved the adapter to {args.save_adapter} (serving: recompute_tail "
               f"{serving['recompute_tail']}; {serving['note']})")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
-        json.dump(results, f, indent=1, default=kv_eval._finite_or_null)
+        json.dump(results, f, indent=1, default=finite_or_null)
     picture = os.path.join(args.out, "eval.png")
     plot(results, picture)
     print(format_table(results))

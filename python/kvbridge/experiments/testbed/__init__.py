@@ -20,7 +20,7 @@ losses. Weights are stored as float16 and load as float32.
 
 API::
 
-    from kvbridge import testbed
+    from kvbridge.experiments import testbed
     pair = testbed.load_pair()          # TestbedPair(tokenizer, source, target), eval(), float32
     ids = pair.tokenizer.encode("text") # [BOS, bytes...]; .decode(ids) -> str
     tm = pair.source                    # TestbedModel: .name, .model (HF), .spec, .path, .tokenizer

@@ -1,6 +1,7 @@
 """Evaluation of the testbed-a -> testbed-b adapter: kept, agreement, held-out R², TTFT ratio.
 
-Run as ``python -m kvbridge.eval`` or ``kvbridge eval`` (``--help`` lists the options).
+Run as ``kvbridge eval`` or ``python -m kvbridge.experiments.eval`` (``--help`` lists the
+options).
 
 Data. Texts are the testbed's fortunes splits: the adapters are fitted on ``texts("train")``
 and every metric is measured on ``texts("heldout")``. Texts are tokenized one by one as
@@ -73,11 +74,7 @@ the projected ratio is an upper bound.
 from __future__ import annotations
 
 import argparse
-import inspect
-import json
-import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -86,9 +83,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import kvbridge
-from kvbridge._tensors import KVCache
 from kvbridge._core import InvalidArgumentError
 from kvbridge.adapter import choose_serving
+from kvbridge.exact import exact_layers
+from kvbridge.experiments import eval_cross
+from kvbridge.experiments.common import (Sums, add_pair_arguments, add_run_arguments,
+                                         alternate_timings, best_by_kept, finish, finite_or_null,
+                                         int_at_least, layer_r2, model_record, next_token,
+                                         progress_items, quiet_model_loading, save_adapter,
+                                         score_cells, set_threads, testbed_module, ttft_record,
+                                         versions)
+from kvbridge.hf import forward, prefix_kv
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "rope_auto": {"rope_aware": True, "source_layers": "auto"},
@@ -138,15 +143,6 @@ def pack_windows(token_lists: Sequence[Sequence[int]], length: int,
     return windows
 
 
-def testbed_module(data: Any = None) -> Any:
-    """`data` if given (anything with texts(split) and MAX_CONTEXT), else kvbridge.testbed."""
-    if data is not None:
-        return data
-    from kvbridge import testbed
-
-    return testbed
-
-
 def text_windows(pair: Any, split: str, length: int, count: Optional[int],
                  data: Any = None) -> List[List[int]]:
     texts = testbed_module(data).texts(split)
@@ -154,90 +150,7 @@ def text_windows(pair: Any, split: str, length: int, count: Optional[int],
     return pack_windows([pair.tokenizer.encode(t) + eos for t in texts], length, count)
 
 
-# ----------------------------------------------------------------------------- model calls
-
-
-def as_cache(kv: Optional[KVCache]):
-    """A fresh transformers DynamicCache holding the legacy tuple `kv` (None: empty)."""
-    from transformers import DynamicCache
-
-    return DynamicCache() if kv is None else DynamicCache(kv)
-
-
-def legacy_kv(cache) -> KVCache:
-    return tuple((layer.keys, layer.values) for layer in cache.layers)
-
-
-def _cache_keyword(model) -> str:
-    """The keyword under which the installed transformers takes the KV cache: `cache` in newer
-    releases, `past_key_values` before. A model's forward also takes **kwargs, so passing the
-    wrong one is silently ignored (the forward would then run without the prefix)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-@torch.no_grad()
-def forward(model, ids: Sequence[int], past: Optional[KVCache] = None,
-            logits_to_keep: int = 0) -> Tuple[torch.Tensor, KVCache]:
-    """Logits [tokens, vocab] (float32) and the new legacy KV of `ids` after the cache `past`
-    (positions continue from past's length). logits_to_keep=k keeps the last k positions only."""
-    x = torch.as_tensor(list(ids), dtype=torch.long).view(1, -1)
-    past_kw = {_cache_keyword(model): as_cache(past)}
-    out = model(x, use_cache=True, logits_to_keep=logits_to_keep, **past_kw)
-    cache = getattr(out, "cache", None) or out.past_key_values
-    return out.logits[0].float(), legacy_kv(cache)
-
-
-def prefix_kv(model, ids: Sequence[int]) -> KVCache:
-    """The model's own legacy KV of `ids` (one forward from position 0)."""
-    return forward(model, ids, logits_to_keep=1)[1]
-
-
 # ----------------------------------------------------------------------------- metrics
-
-
-@dataclass
-class Sums:
-    """Pooled continuation statistics; see the module docstring for what each loss means."""
-
-    tokens: int = 0
-    loss_own: float = 0.0
-    loss_conv: float = 0.0
-    loss_none: float = 0.0
-    agree: int = 0
-
-    def add(self, logits_own: torch.Tensor, logits_conv: torch.Tensor,
-            logits_none: torch.Tensor, targets: torch.Tensor) -> None:
-        """Adds one window: logits [C, vocab] of each setting, targets [C] token ids."""
-        if not (logits_own.shape == logits_conv.shape == logits_none.shape
-                and logits_own.shape[0] == targets.shape[0]):
-            raise InvalidArgumentError("logits and targets disagree in shape: "
-                                       f"{tuple(logits_own.shape)}, {tuple(logits_conv.shape)}, "
-                                       f"{tuple(logits_none.shape)}, {tuple(targets.shape)}")
-        ce = torch.nn.functional.cross_entropy
-        t = targets.long()
-        self.tokens += int(t.numel())
-        self.loss_own += float(ce(logits_own.double(), t, reduction="sum"))
-        self.loss_conv += float(ce(logits_conv.double(), t, reduction="sum"))
-        self.loss_none += float(ce(logits_none.double(), t, reduction="sum"))
-        self.agree += int((logits_own.argmax(-1) == logits_conv.argmax(-1)).sum())
-
-    def metrics(self) -> Dict[str, float]:
-        if self.tokens == 0:
-            raise InvalidArgumentError("no continuation tokens were scored")
-        l_own, l_conv = self.loss_own / self.tokens, self.loss_conv / self.tokens
-        l_none = self.loss_none / self.tokens
-        return {"kept": kept(l_none, l_conv, l_own), "agreement": self.agree / self.tokens,
-                "loss_own": l_own, "loss_conv": l_conv, "loss_none": l_none,
-                "tokens": self.tokens}
-
-
-def kept(loss_none: float, loss_conv: float, loss_own: float) -> float:
-    """(L_none - L_conv) / (L_none - L_own); NaN when the prefix does not help (L_own >= L_none)."""
-    benefit = loss_none - loss_own
-    if not benefit > 0:
-        return float("nan")
-    return (loss_none - loss_conv) / benefit
 
 
 def score_windows(target_model, windows: Sequence[Sequence[int]], continuation: int, bos_id: int,
@@ -286,8 +199,6 @@ def score_levers(target_model, windows: Sequence[Sequence[int]], continuation: i
     the source's cache of ``w[0..P-1)`` is converted once per window, each lever cuts it to
     ``P-1-r`` tokens, replaces its first k layers by the target's own and runs the target on the
     rest."""
-    from kvbridge.exact import exact_layers
-
     sums = {lever_name(r, k): Sums() for r, k in levers}
     for w in windows:
         p = len(w) - continuation
@@ -308,29 +219,7 @@ def score_levers(target_model, windows: Sequence[Sequence[int]], continuation: i
     return {name: s.metrics() for name, s in sums.items()}
 
 
-def layer_r2(adapter: kvbridge.LinearAdapter) -> Dict[str, Any]:
-    layers = adapter.report["layers"]
-    return {"r2_key": [float(l["r2_key"]) for l in layers],
-            "r2_value": [float(l["r2_value"]) for l in layers],
-            "source_layers": [list(map(int, l["source_layers"])) for l in layers],
-            "quality": kvbridge.Bridge.quality(adapter),
-            "train_tokens": int(adapter.report["train_tokens"]),
-            "holdout_tokens": int(adapter.report["holdout_tokens"])}
-
-
 # ----------------------------------------------------------------------------- fitting
-
-
-def progress_items(items: Sequence[Any], progress: bool, desc: str = "paired KV") -> Any:
-    """`items`, wrapped in a tqdm progress bar on stderr when `progress` and tqdm is there."""
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            return tqdm(items, desc=desc, unit="window", file=sys.stderr)
-        except ImportError:
-            pass
-    return items
 
 
 def fit_variants(pair: Any, windows: Sequence[Sequence[int]], variants: Sequence[str],
@@ -372,12 +261,6 @@ def load_adapter(path: str, pair: Any) -> kvbridge.LinearAdapter:
 # ----------------------------------------------------------------------------- TTFT
 
 
-def _seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 @torch.no_grad()
 def measure_ttft(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
                  prompts: Sequence[Sequence[int]], repeats: int = 7,
@@ -405,27 +288,17 @@ def measure_ttft(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
         out: Dict[str, Any] = {}
 
         def own():
-            logits, _ = forward(tgt.model, prompt, logits_to_keep=1)
-            out["own"] = int(logits[-1].argmax())
+            out["own"] = next_token(tgt.model, prompt)
 
         def via_bridge(name):
             load = bridges[name].load(tgt.spec, prompt, model=tgt.model)
-            logits, _ = forward(tgt.model, prompt[load.tokens:], load.kv, logits_to_keep=1)
-            out[name] = (int(logits[-1].argmax()), load)
+            out[name] = (next_token(tgt.model, prompt[load.tokens:], load.kv), load)
 
-        own()  # warm-up
-        for name in bridges:
-            via_bridge(name)
-        own_times: List[float] = []
-        bridge_times: Dict[str, List[float]] = {name: [] for name in bridges}
-        for _ in range(repeats):  # alternate, so drifts in machine load hit every path alike
-            own_times.append(_seconds(own))
-            for name in bridges:
-                bridge_times[name].append(_seconds(lambda: via_bridge(name)))
-        t_own = statistics.median(own_times)
+        t_own, t_bridges = alternate_timings(
+            own, {name: (lambda name=name: via_bridge(name)) for name in bridges}, repeats)
         for name in bridges:
             token, load = out[name]
-            t_bridge = statistics.median(bridge_times[name])
+            t_bridge = t_bridges[name]
             rows[name].append({"prompt_tokens": len(prompt), "loaded_tokens": int(load.tokens),
                                "converted": bool(load.converted), "own_ms": 1e3 * t_own,
                                "bridge_ms": 1e3 * t_bridge, "ratio": t_own / t_bridge,
@@ -474,8 +347,8 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
              progress: bool = False, data: Any = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Fits (unless `adapters` maps variant names to LinearAdapters) and scores every variant.
 
-    data: where texts and MAX_CONTEXT come from (default: kvbridge.testbed).
-    Returns the results.json content (see write_results) and the adapters by variant."""
+    data: where texts and MAX_CONTEXT come from (default: kvbridge.experiments.testbed).
+    Returns the results.json content (see common.write_results) and the adapters by variant."""
     max_context = int(testbed_module(data).MAX_CONTEXT)
     window = config.window_tokens or max_context
     if window > max_context:
@@ -505,8 +378,7 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
     variants = {}
     for name, adapter in adapters.items():
         variants[name] = {**VARIANTS.get(name, {}), **scores[name], **layer_r2(adapter)}
-    best = max(variants, key=lambda n: (-math.inf if math.isnan(variants[n]["kept"])
-                                        else variants[n]["kept"]))
+    best = best_by_kept(variants)
     lengths = config.ttft_lengths or default_ttft_lengths(max_context, config.chunk_tokens)
     if max(lengths) > max_context:
         raise InvalidArgumentError(f"TTFT length {max(lengths)} exceeds testbed.MAX_CONTEXT {max_context}")
@@ -539,76 +411,19 @@ def evaluate(pair: Any, config: EvalConfig, adapters: Optional[Dict[str, Any]] =
     results = {
         "config": {**asdict(config), "window_tokens": window, "continuation_tokens": cont,
                    "ttft_lengths": lengths, "max_context": max_context},
-        "models": {side: {"name": m.spec.name, "version": m.spec.version,
-                          "fingerprint": m.spec.fingerprint, "num_layers": m.spec.num_layers,
-                          "num_kv_heads": m.spec.num_kv_heads, "head_dim": m.spec.head_dim,
-                          "parameters": sum(p.numel() for p in m.model.parameters())}
-                   for side, m in (("source", pair.source), ("target", pair.target))},
+        "models": {"source": model_record(pair.source), "target": model_record(pair.target)},
         "windows": {"train": train_windows, "heldout": len(heldout)},
         "variants": variants,
         "best_variant": best,
-        "ttft": {"variant": best, "rows": ttft[best], "threads": torch.get_num_threads(),
-                 "by_variant": ttft},
+        "ttft": ttft_record(best, ttft),
         "levers": lever_results,
         "projection": {"shape": LLAMA3_8B, "fitted_source_layers_per_target": fitted,
                        "by_source_layers": {f"{k:g}": flop_projection(proj_lengths, k)
                                             for k in proj_sizes}},
         "timings": timings,
-        "kvbridge_version": kvbridge.__version__,
-        "torch_version": torch.__version__,
+        **versions(),
     }
     return results, adapters
-
-
-def write_results(results: Dict[str, Any], out_dir: str) -> Dict[str, str]:
-    """Writes out_dir/results.json and out_dir/eval.png; returns their paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, "results.json"),
-             "plot": os.path.join(out_dir, "eval.png")}
-    with open(paths["json"], "w") as f:
-        json.dump(_finite_or_null(results), f, indent=2, allow_nan=False)
-        f.write("\n")
-    plot(results, paths["plot"])
-    return paths
-
-
-def _finite_or_null(x: Any) -> Any:
-    """NaN and infinities become null, so that results.json is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite_or_null(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite_or_null(v) for v in x]
-    return x
-
-
-def plot(results: Dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    variants = results["variants"]
-    fig, (ax_r2, ax_kept) = plt.subplots(1, 2, figsize=(11, 4),
-                                         gridspec_kw={"width_ratios": [2, 1]})
-    for name, v in variants.items():
-        layers = range(len(v["r2_key"]))
-        line, = ax_r2.plot(layers, v["r2_key"], marker="o", label=f"{name} K")
-        ax_r2.plot(layers, v["r2_value"], marker="s", linestyle="--", color=line.get_color(),
-                   label=f"{name} V")
-    ax_r2.set_xlabel("target layer")
-    ax_r2.set_ylabel("held-out R²")
-    ax_r2.set_title("adapter fit per target layer")
-    ax_r2.legend(fontsize=7)
-    names = list(variants)
-    ax_kept.bar(names, [v["kept"] for v in variants.values()])
-    ax_kept.axhline(1.0, color="gray", linewidth=0.8)
-    ax_kept.set_ylabel("kept")
-    ax_kept.set_title("share of the prefix benefit kept")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def format_table(results: Dict[str, Any]) -> str:
@@ -626,9 +441,7 @@ def format_table(results: Dict[str, Any]) -> str:
     for name, v in results["variants"].items():
         mean = lambda xs: sum(xs) / len(xs)
         per = mean([len(s) for s in v["source_layers"]])
-        lines.append(f"| {name} | {v['kept']:.3f} | {v['agreement']:.3f} | {v['loss_own']:.3f} | "
-                     f"{v['loss_conv']:.3f} | {v['loss_none']:.3f} | {v['quality']:.3f} | "
-                     f"{mean(v['r2_key']):.3f} | {mean(v['r2_value']):.3f} | {per:.2f} |")
+        lines.append(f"| {name} | {score_cells(v)} | {per:.2f} |")
     lines.append("")
     t = results["ttft"]
     lines.append(f"TTFT of {m['target']['name']} ({t['variant']} adapter, threads: {t['threads']}, "
@@ -686,42 +499,8 @@ def fit_default(pair: Any, path: str = DEFAULT_ADAPTER, windows: int = 400,
     """Fits one variant on the training split and saves it to `path`."""
     train = text_windows(pair, "train", int(testbed_module(data).MAX_CONTEXT), windows, data)
     adapter = fit_variants(pair, train, [variant], progress=progress)[variant]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    adapter.save(path)
+    save_adapter(adapter, path)
     return adapter
-
-
-def quiet_model_loading() -> None:
-    """No transformers progress bars while the testbed weights load (they clutter the tables)."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
-    hf_logging.disable_progress_bar()
-
-
-def set_threads(threads: int) -> None:
-    """torch.set_num_threads(threads) unless 0. torch and kvbridge's native core share one OpenMP
-    runtime, so this sets the threads of both paths being compared. One thread is the default of
-    the commands: the testbed models are tiny, and on a shared CPU more threads make OpenMP's
-    barriers wait on other processes (measured: up to 10x slower prefills at 2 threads)."""
-    if threads:
-        torch.set_num_threads(int(threads))
-
-
-def int_at_least(lo: int):
-    """An argparse type: an integer >= lo (a bad value is a usage error, not a traceback)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {lo}"
-    return parse
 
 
 #: --agreement-goal's default for a testbed module without SERVING_AGREEMENT_GOAL.
@@ -737,8 +516,8 @@ def serving_record(results: Dict[str, Any], agreement_goal: float) -> Optional[D
         return None
     cfg = results["config"]
     prompt = int(cfg["window_tokens"]) - int(cfg["continuation_tokens"])
-    points = [{"recompute_tail": int(r["recompute_tail"]), "kept": _finite_or_null(r["kept"]),
-               "agreement": _finite_or_null(r["agreement"]),
+    points = [{"recompute_tail": int(r["recompute_tail"]), "kept": finite_or_null(r["kept"]),
+               "agreement": finite_or_null(r["agreement"]),
                "computed_share": (int(r["recompute_tail"]) + 1) / prompt,
                "prompt_tokens": prompt} for r in rows]
     return choose_serving(points, agreement_goal,
@@ -769,11 +548,9 @@ def measure_serving(pair: Any, adapter: kvbridge.LinearAdapter, tails: Sequence[
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0],
                                 epilog="A --source and --target whose tokenizers differ (as "
-                                "testbed-a and testbed-c) run kvbridge.eval_cross, with its "
-                                "own options.")
-    p.add_argument("--source", default=None, help="source testbed model (default: testbed-a)")
-    p.add_argument("--target", default=None, help="target testbed model (default: testbed-b)")
-    p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
+                                "testbed-a and testbed-c) run kvbridge.experiments.eval_cross, "
+                                "with its own options.")
+    add_pair_arguments(p)
     p.add_argument("--adapter", help="evaluate this adapter file (as every variant it is "
                    "given for: only one, named 'loaded') instead of fitting")
     p.add_argument("--save-adapter", metavar="PATH",
@@ -791,15 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-repeats", type=int_at_least(1), default=EvalConfig.ttft_repeats)
     p.add_argument("--chunk-tokens", type=int_at_least(1), default=EvalConfig.chunk_tokens)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--tail-tokens", type=int_at_least(0), nargs="+", default=[],
                    help="levers: recompute_tail values to score and time (with every "
                    "--exact-layers value)")
     p.add_argument("--exact-layers", type=int_at_least(0), nargs="+", default=[],
                    help="levers: exact_layers values to score and time")
-    p.add_argument("--threads", type=int_at_least(0), default=1,
-                   help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_run_arguments(p)
     return p
 
 
@@ -811,7 +585,7 @@ def _cross_tokenizer_pair(argv: Sequence[str]) -> bool:
     known, _ = pick.parse_known_args(argv)
     if known.source is None and known.target is None:
         return False
-    from kvbridge import testbed
+    from kvbridge.experiments import testbed
 
     names = (known.source or testbed.SOURCE_NAME, known.target or testbed.TARGET_NAME)
     for name in names:
@@ -824,11 +598,9 @@ def _cross_tokenizer_pair(argv: Sequence[str]) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if _cross_tokenizer_pair(argv):
-        from kvbridge import eval_cross
-
         return eval_cross.main(argv)
     args = build_parser().parse_args(argv)
-    from kvbridge import testbed
+    from kvbridge.experiments import testbed
 
     config = EvalConfig(window_tokens=args.window_tokens,
                         continuation_tokens=args.continuation_tokens,
@@ -858,16 +630,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         serving = serving_record(results, goal)
         if serving is not None:
             adapters[best].serving = serving
-        os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
-        adapters[best].save(args.save_adapter)
+        save_adapter(adapters[best], args.save_adapter)
         results["saved_adapter"] = {"path": args.save_adapter, "variant": best,
                                     "serving": serving}
         print(f"saved the {best} adapter to {args.save_adapter}"
               + (f" (serving: recompute_tail {serving['recompute_tail']})" if serving
                  else " (no tail lever measured: no serving defaults recorded)"))
-    paths = write_results(results, args.out)
-    print(format_table(results))
-    print(f"\nwrote {paths['json']} and {paths['plot']}")
+    finish(results, args.out, format_table(results))
     return results
 
 

@@ -1,8 +1,8 @@
 """Evaluation of adapters between models with different tokenizers (testbed-a -> testbed-c,
 testbed-c -> testbed-b): kept, agreement and held-out R² per alignment policy, TTFT per policy.
 
-Run as ``kvbridge eval --source testbed-a --target testbed-c`` (``kvbridge.eval`` hands a pair
-whose tokenizers differ to this module; ``--help`` with those flags lists the options).
+Run as ``kvbridge eval --source testbed-a --target testbed-c`` (``kvbridge.experiments.eval``
+hands a pair whose tokenizers differ to this module; ``--help`` with those flags lists the options).
 
 Data. Windows are cut on text, not tokens: a window is one fortune of at least
 ``window_bytes`` UTF-8 bytes, cut to its first ``window_bytes`` bytes (back to a character
@@ -29,13 +29,13 @@ and re-rotated at j.
 
 Prefix / continuation split. A held-out window's text is cut at byte ``P = (1 - share) * n``
 (``share`` = ``continuation_share``, default 1/4): the target's continuation is its tokens
-starting at or after byte P, ``t[p..T)``. As in kvbridge.eval, the target computes at least the
+starting at or after byte P, ``t[p..T)``. As in kvbridge.experiments.eval, the target computes at least the
 last prompt token itself: the prefix cache covers ``t[0..p-1)``, whose text ends at byte B (moved
 back a token while B would cut a character). The source tokenizes ``text[:B]`` and prefills it
 (the cache the source would hold for that prompt); the converted cache of the target's tokens
 ``t[0..p-1)`` comes from that cache through the alignment of the two tokenizations of
 ``text[:B]``. ``L_own``, ``L_conv``, ``L_none``, ``kept`` and ``agreement`` are then those of
-kvbridge.eval, over the target's continuation tokens (``L_none``: ``[BOS] + t[p..T-1)`` from
+kvbridge.experiments.eval, over the target's continuation tokens (``L_none``: ``[BOS] + t[p..T-1)`` from
 position 0).
 
 TTFT. For prompts of several byte lengths (a held-out window's first n bytes): the source's
@@ -49,9 +49,7 @@ one untimed warm-up each, median(own) / median(converted) over the repeats.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -60,8 +58,14 @@ import numpy as np
 import torch
 
 import kvbridge
-from kvbridge import eval as kv_eval
 from kvbridge.adapter import choose_serving
+from kvbridge.experiments.common import (Sums, add_pair_arguments, add_run_arguments,
+                                         alternate_timings, best_by_kept, finish, finite_or_null,
+                                         int_at_least, layer_r2, model_record, next_token,
+                                         progress_items, quiet_model_loading, save_adapter,
+                                         score_cells, set_threads, testbed_module, ttft_record,
+                                         versions)
+from kvbridge.hf import forward, prefix_kv
 
 #: The ablation: positions paired index by index, as for two models of one tokenizer.
 NAIVE = "naive"
@@ -104,7 +108,7 @@ def text_windows(split: str, window_bytes: int, count: Optional[int],
     """The windows of a split: fortunes of at least window_bytes bytes, cut to that many (see
     the module docstring), in the split's order."""
     out = []
-    for t in kv_eval.testbed_module(data).texts(split):
+    for t in testbed_module(data).texts(split):
         if count is not None and len(out) >= count:
             break
         if len(t.encode("utf-8")) >= window_bytes:
@@ -162,10 +166,10 @@ def fit_policies(pair: Any, texts: Sequence[str], names: Sequence[str], progress
     fitters = {name: kvbridge.AdapterFitter(pair.source.spec, pair.target.spec, seed=seed,
                                             **fitter_options(name)) for name in names}
     unaligned = {name: 0 for name in names}
-    for text in kv_eval.progress_items(texts, progress):
+    for text in progress_items(texts, progress):
         src, tgt = encode(pair.source.tokenizer, text), encode(pair.target.tokenizer, text)
-        src_kv = kv_eval.prefix_kv(pair.source.model, src.ids)
-        tgt_kv = kv_eval.prefix_kv(pair.target.model, tgt.ids)
+        src_kv = prefix_kv(pair.source.model, src.ids)
+        tgt_kv = prefix_kv(pair.target.model, tgt.ids)
         for name, fitter in fitters.items():
             index, missing = alignment(name, src, tgt)
             unaligned[name] += missing
@@ -215,9 +219,9 @@ def references(model: Any, split: Split, bos_id: int
     `bos_id` alone, and the cached prefix's tokenization (t[0..p-1))."""
     ids, p = split.target.ids, split.p
     targets = torch.as_tensor(ids[p:], dtype=torch.long)
-    own_kv = kv_eval.prefix_kv(model, ids[:p - 1])
-    logits_own, _ = kv_eval.forward(model, ids[p - 1:-1], own_kv)
-    logits_none, _ = kv_eval.forward(model, [bos_id] + ids[p:-1])
+    own_kv = prefix_kv(model, ids[:p - 1])
+    logits_own, _ = forward(model, ids[p - 1:-1], own_kv)
+    logits_none, _ = forward(model, [bos_id] + ids[p:-1])
     cached = Encoded(ids[:p - 1], split.target.offsets[:p - 1], split.target.roles[:p - 1])
     return targets, logits_own, logits_none, cached
 
@@ -226,7 +230,7 @@ def score_cross(pair: Any, texts: Sequence[str], share: float,
                 adapters: Dict[str, kvbridge.LinearAdapter]) -> Dict[str, Dict[str, Any]]:
     """Pooled kept / agreement / losses per policy over held-out window texts."""
     src_m, tgt_m = pair.source, pair.target
-    sums = {name: kv_eval.Sums() for name in adapters}
+    sums = {name: Sums() for name in adapters}
     unaligned = {name: 0 for name in adapters}
     windows = prefix_tokens = 0
     for text in texts:
@@ -237,12 +241,12 @@ def score_cross(pair: Any, texts: Sequence[str], share: float,
         targets, logits_own, logits_none, cached = references(tgt_m.model, split,
                                                               tgt_m.tokenizer.bos_id)
         src = encode(src_m.tokenizer, split.prefix_text)
-        src_kv = kv_eval.prefix_kv(src_m.model, src.ids)
+        src_kv = prefix_kv(src_m.model, src.ids)
         for name, adapter in adapters.items():
             index, missing = alignment(name, src, cached)
             unaligned[name] += missing
             conv = adapter.convert(src_kv, alignment=index)
-            logits_conv, _ = kv_eval.forward(tgt_m.model, ids[p - 1:-1], conv)
+            logits_conv, _ = forward(tgt_m.model, ids[p - 1:-1], conv)
             sums[name].add(logits_own, logits_conv, logits_none, targets)
         windows += 1
         prefix_tokens += p - 1
@@ -265,12 +269,11 @@ def measure_ttft_cross(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
     rows: Dict[str, List[Dict[str, Any]]] = {name: [] for name in adapters}
     for prompt in prompts:
         tgt_ids = encode(tgt_m.tokenizer, prompt).ids
-        src_kv = kv_eval.prefix_kv(src_m.model, encode(src_m.tokenizer, prompt).ids)
+        src_kv = prefix_kv(src_m.model, encode(src_m.tokenizer, prompt).ids)
         out: Dict[str, Any] = {}
 
         def own():
-            logits, _ = kv_eval.forward(tgt_m.model, tgt_ids, logits_to_keep=1)
-            out["own"] = int(logits[-1].argmax())
+            out["own"] = next_token(tgt_m.model, tgt_ids)
 
         def converted(name):
             src, tgt = encode(src_m.tokenizer, prompt), encode(tgt_m.tokenizer, prompt)
@@ -278,21 +281,12 @@ def measure_ttft_cross(pair: Any, adapters: Dict[str, kvbridge.LinearAdapter],
             cached = Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m])
             index, _ = alignment(name, src, cached)
             kv = adapters[name].convert(src_kv, alignment=index)
-            logits, _ = kv_eval.forward(tgt_m.model, tgt.ids[m:], kv, logits_to_keep=1)
-            out[name] = int(logits[-1].argmax())
+            out[name] = next_token(tgt_m.model, tgt.ids[m:], kv)
 
-        own()  # warm-up
+        t_own, t_convs = alternate_timings(
+            own, {name: (lambda name=name: converted(name)) for name in adapters}, repeats)
         for name in adapters:
-            converted(name)
-        own_times: List[float] = []
-        conv_times: Dict[str, List[float]] = {name: [] for name in adapters}
-        for _ in range(repeats):
-            own_times.append(kv_eval._seconds(own))
-            for name in adapters:
-                conv_times[name].append(kv_eval._seconds(lambda: converted(name)))
-        t_own = statistics.median(own_times)
-        for name in adapters:
-            t_conv = statistics.median(conv_times[name])
+            t_conv = t_convs[name]
             rows[name].append({"prompt_bytes": len(prompt.encode("utf-8")),
                                "target_tokens": len(tgt_ids), "own_ms": 1e3 * t_own,
                                "converted_ms": 1e3 * t_conv, "ratio": t_own / t_conv,
@@ -309,8 +303,8 @@ def serving_record(score: Dict[str, Any], agreement_goal: float) -> Dict[str, An
     window's last prompt token), and the tail 0 (with a note when it misses the goal)."""
     windows = int(score["windows"])
     prompt = int(score["prefix_tokens"]) + windows
-    point = {"recompute_tail": 0, "kept": kv_eval._finite_or_null(score["kept"]),
-             "agreement": kv_eval._finite_or_null(score["agreement"]),
+    point = {"recompute_tail": 0, "kept": finite_or_null(score["kept"]),
+             "agreement": finite_or_null(score["agreement"]),
              "computed_share": windows / prompt, "prompt_tokens": round(prompt / windows)}
     return choose_serving([point], agreement_goal,
                           f"kvbridge eval across tokenizers, {windows} held-out windows "
@@ -323,18 +317,15 @@ def default_ttft_bytes(window_bytes: int) -> List[int]:
 
 def best_policy(results: Dict[str, Any], include_naive: bool = True) -> Optional[str]:
     """The variant of highest kept (NaN lowest); without the naive ablation if asked."""
-    names = [n for n in results["variants"] if include_naive or n != NAIVE]
-    if not names:
-        return None
-    kept_of = lambda n: results["variants"][n]["kept"]
-    return max(names, key=lambda n: -math.inf if math.isnan(kept_of(n)) else kept_of(n))
+    return best_by_kept(results["variants"],
+                        [n for n in results["variants"] if include_naive or n != NAIVE])
 
 
 def evaluate_cross(pair: Any, config: CrossConfig, progress: bool = False,
                    data: Any = None) -> Tuple[Dict[str, Any], Dict[str, kvbridge.LinearAdapter]]:
     """Fits one adapter per policy and scores each (module docstring). Returns the
     results.json content and the adapters by policy."""
-    max_context = int(kv_eval.testbed_module(data).MAX_CONTEXT)
+    max_context = int(testbed_module(data).MAX_CONTEXT)
     window = config.window_bytes or max_context - 1
     if not 0.0 < config.continuation_share < 1.0:
         raise kvbridge.InvalidArgumentError(f"continuation_share: expected 0 < share < 1, got "
@@ -357,7 +348,7 @@ def evaluate_cross(pair: Any, config: CrossConfig, progress: bool = False,
     scores = score_cross(pair, heldout, config.continuation_share, adapters)
     timings["score_seconds"] = time.perf_counter() - t1
     variants = {name: {**fitter_options(name), "alignment": name, **scores[name],
-                       **kv_eval.layer_r2(adapter),
+                       **layer_r2(adapter),
                        "fit_unaligned_target_tokens": fit_unaligned[name]}
                 for name, adapter in adapters.items()}
     best = best_policy({"variants": variants})
@@ -371,20 +362,14 @@ def evaluate_cross(pair: Any, config: CrossConfig, progress: bool = False,
     results = {
         "config": {**asdict(config), "window_bytes": window, "ttft_bytes": lengths,
                    "max_context": max_context},
-        "models": {side: {"name": m.spec.name, "version": m.spec.version,
-                          "tokenizer": m.spec.tokenizer, "fingerprint": m.spec.fingerprint,
-                          "num_layers": m.spec.num_layers, "num_kv_heads": m.spec.num_kv_heads,
-                          "head_dim": m.spec.head_dim,
-                          "parameters": sum(p.numel() for p in m.model.parameters())}
-                   for side, m in (("source", pair.source), ("target", pair.target))},
+        "models": {"source": model_record(pair.source, tokenizer=True),
+                   "target": model_record(pair.target, tokenizer=True)},
         "windows": {"train": len(train), "heldout": len(heldout)},
         "variants": variants,
         "best_variant": best,
-        "ttft": {"variant": best, "rows": ttft[best], "threads": torch.get_num_threads(),
-                 "by_variant": ttft},
+        "ttft": ttft_record(best, ttft),
         "timings": timings,
-        "kvbridge_version": kvbridge.__version__,
-        "torch_version": torch.__version__,
+        **versions(),
     }
     return results, adapters
 
@@ -400,10 +385,7 @@ def format_table(results: Dict[str, Any]) -> str:
                  "mean R² V | unaligned prefix tokens | continuation tokens |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, v in results["variants"].items():
-        mean = lambda xs: sum(xs) / len(xs)
-        lines.append(f"| {name} | {v['kept']:.3f} | {v['agreement']:.3f} | {v['loss_own']:.3f} | "
-                     f"{v['loss_conv']:.3f} | {v['loss_none']:.3f} | {v['quality']:.3f} | "
-                     f"{mean(v['r2_key']):.3f} | {mean(v['r2_value']):.3f} | "
+        lines.append(f"| {name} | {score_cells(v)} | "
                      f"{v['unaligned_prefix_tokens']} of {v['prefix_tokens']} | {v['tokens']} |")
     lines.append("")
     lines.append("Held-out R² per target layer (K / V):")
@@ -434,11 +416,9 @@ def format_table(results: Dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    at_least = kv_eval.int_at_least
+    at_least = int_at_least
     p = argparse.ArgumentParser(prog="kvbridge eval", description=__doc__.split("\n")[0])
-    p.add_argument("--source", default=None, help="source testbed model (default: testbed-a)")
-    p.add_argument("--target", default=None, help="target testbed model (default: testbed-b)")
-    p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
+    add_pair_arguments(p)
     p.add_argument("--save-adapter", metavar="PATH",
                    help="save the adapter of the best alignment policy (highest kept; never "
                    "the naive ablation) to this file")
@@ -450,24 +430,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-repeats", type=at_least(1), default=CrossConfig.ttft_repeats)
     p.add_argument("--policies", nargs="+", default=None,
                    help=f"alignment policies (default: {' '.join(policies())})")
-    p.add_argument("--seed", type=at_least(0), default=0)
-    p.add_argument("--threads", type=at_least(0), default=1,
-                   help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_run_arguments(p)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = build_parser().parse_args(argv)
-    from kvbridge import testbed
+    from kvbridge.experiments import testbed
 
     config = CrossConfig(window_bytes=args.window_bytes,
                          continuation_share=args.continuation_share,
                          train_windows=args.train_windows, heldout_windows=args.heldout_windows,
                          ttft_bytes=list(args.ttft_bytes), ttft_repeats=args.ttft_repeats,
                          policies=list(args.policies or policies()), seed=args.seed)
-    kv_eval.set_threads(args.threads)
-    kv_eval.quiet_model_loading()
+    set_threads(args.threads)
+    quiet_model_loading()
     pair = testbed.load_pair(args.source or testbed.SOURCE_NAME,
                              args.target or testbed.TARGET_NAME)
     if pair.tokenizer is not None:
@@ -480,14 +457,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             raise SystemExit("--save-adapter: no alignment policy was fitted (only naive)")
         serving = serving_record(results["variants"][best], testbed.SERVING_AGREEMENT_GOAL)
         adapters[best].serving = serving
-        os.makedirs(os.path.dirname(os.path.abspath(args.save_adapter)), exist_ok=True)
-        adapters[best].save(args.save_adapter)
+        save_adapter(adapters[best], args.save_adapter)
         results["saved_adapter"] = {"path": args.save_adapter, "variant": best,
                                     "serving": serving}
         print(f"saved the {best} adapter to {args.save_adapter}")
-    paths = kv_eval.write_results(results, args.out)
-    print(format_table(results))
-    print(f"\nwrote {paths['json']} and {paths['plot']}")
+    finish(results, args.out, format_table(results))
     return results
 
 

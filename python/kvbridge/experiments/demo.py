@@ -1,6 +1,6 @@
 """The end-to-end demo: testbed-b reuses testbed-a's prompt caches through kvbridge.Bridge.
 
-Run as ``python -m kvbridge.demo`` or ``kvbridge demo`` (``scripts/demo.sh`` installs the
+Run as ``kvbridge demo`` or ``python -m kvbridge.experiments.demo`` (``scripts/demo.sh`` installs the
 package and runs it). For a batch of held-out windows (a prompt followed by its true
 continuation):
 
@@ -9,16 +9,17 @@ continuation):
    ``Bridge.load`` (testbed-a's cache converted by the shipped adapter, written back as
    testbed-b's own entry) plus its own forward of the last prompt token. The time to the first
    token of each is measured, alternating, in this process;
-3. kept and agreement (kvbridge.eval's definitions) are computed on the windows' true
+3. kept and agreement (kvbridge.experiments.eval's definitions) are computed on the windows' true
    continuations, with the loaded (converted) cache in place of testbed-b's own;
 4. across tokenizers (``--cross-prompts``, default 4; 0 leaves it out): testbed-c, whose BPE
    tokenizes text differently, answers held-out prompt texts from testbed-a's caches of them:
    the Bridge knows both tokenizers (``Bridge.add_tokenizer``), aligns the two tokenizations
    and converts through the shipped testbed-a -> testbed-c adapter
-   (python/kvbridge/testbed/adapters/testbed-a_to_testbed-c.safetensors, fitted with the
+   (python/kvbridge/experiments/testbed/adapters/testbed-a_to_testbed-c.safetensors, fitted with the
    "seen" policy if missing or stale); TTFT both ways and the greedy answers side by side.
 
-The shipped adapter is python/kvbridge/testbed/adapters/testbed-a_to_testbed-b.safetensors;
+The shipped adapter is
+python/kvbridge/experiments/testbed/adapters/testbed-a_to_testbed-b.safetensors;
 when it is missing or was fitted for other weights (its specs' fingerprints differ from the
 loaded models'), the demo says so and fits one on the training split first.
 """
@@ -29,33 +30,45 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 import kvbridge
-from kvbridge import eval as kv_eval
+from kvbridge.experiments import eval as kv_eval
+from kvbridge.experiments import eval_cross
+from kvbridge.experiments.common import (Sums, int_at_least, quiet_model_loading, set_threads,
+                                         testbed_module)
+from kvbridge.hf import forward, prefix_kv
 
 
-def get_adapter(pair: Any, path: str, fit_windows: int, log=print,
-                data: Any = None) -> Dict[str, Any]:
-    """The adapter at `path` if it matches the loaded models, else a freshly fitted one."""
-    reason = None
-    if not os.path.exists(path):
-        reason = f"no adapter at {path}"
-    else:
+def _shipped_or_fitted(pair: Any, path: str, fit_windows: int, log,
+                       fit: Callable[[], kvbridge.LinearAdapter]) -> Dict[str, Any]:
+    """The adapter at `path` if it matches the loaded models, else fit()'s, saying why."""
+    if os.path.exists(path):
         try:
             return {"adapter": kv_eval.load_adapter(path, pair), "origin": "shipped",
                     "path": path}
         except kv_eval.StaleAdapterError as e:
             reason = f"stale adapter: {e}"
+    else:
+        reason = f"no adapter at {path}"
     log(f"{reason}; fitting one on {fit_windows} training windows")
     t0 = time.perf_counter()
-    max_context = int(kv_eval.testbed_module(data).MAX_CONTEXT)
-    train = kv_eval.text_windows(pair, "train", max_context, fit_windows, data)
-    adapter = kv_eval.fit_variants(pair, train, ["rope_auto"])["rope_auto"]
+    adapter = fit()
     return {"adapter": adapter, "origin": "fitted", "path": None,
             "fit_seconds": time.perf_counter() - t0, "reason": reason}
+
+
+def get_adapter(pair: Any, path: str, fit_windows: int, log=print,
+                data: Any = None) -> Dict[str, Any]:
+    """The adapter at `path` if it matches the loaded models, else a freshly fitted one."""
+    def fit() -> kvbridge.LinearAdapter:
+        max_context = int(testbed_module(data).MAX_CONTEXT)
+        train = kv_eval.text_windows(pair, "train", max_context, fit_windows, data)
+        return kv_eval.fit_variants(pair, train, ["rope_auto"])["rope_auto"]
+
+    return _shipped_or_fitted(pair, path, fit_windows, log, fit)
 
 
 @torch.no_grad()
@@ -64,12 +77,12 @@ def greedy(model, prompt_rest: Sequence[int], past, steps: int) -> Dict[str, Any
 
     Returns the generated ids and the seconds to the first one."""
     t0 = time.perf_counter()
-    logits, kv = kv_eval.forward(model, prompt_rest, past, logits_to_keep=1)
+    logits, kv = forward(model, prompt_rest, past, logits_to_keep=1)
     token = int(logits[-1].argmax())
     ttft = time.perf_counter() - t0
     out = [token]
     for _ in range(steps - 1):
-        logits, kv = kv_eval.forward(model, [token], kv, logits_to_keep=1)
+        logits, kv = forward(model, [token], kv, logits_to_keep=1)
         token = int(logits[-1].argmax())
         out.append(token)
     return {"tokens": out, "ttft": ttft}
@@ -98,14 +111,14 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
     bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 30, chunk_tokens=chunk_tokens),
                              min_quality=min_quality, **(bridge_options or {}))
     bridge.add_adapter(adapter)
-    sums = kv_eval.Sums()
+    sums = Sums()
     rows: List[Dict[str, Any]] = []
     greedy(tgt.model, list(windows[0])[:-continuation], None, 2)  # warm-up, untimed
     for w in windows:
         w = list(w)
         p = len(w) - continuation
         prompt = w[:p]
-        bridge.save(src.spec, prompt, kv_eval.prefix_kv(src.model, prompt))
+        bridge.save(src.spec, prompt, prefix_kv(src.model, prompt))
 
         load, conv, own = answer_both(bridge, tgt, prompt, generate)
 
@@ -113,12 +126,12 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
         # prompt token, or the recompute_tail before it, which is what a full-chunk load returns).
         cut = load.recompute_tail if load.converted else 0
         if load.tokens and load.tokens == p - 1 - cut:
-            own_kv = kv_eval.prefix_kv(tgt.model, prompt[:-1])
+            own_kv = prefix_kv(tgt.model, prompt[:-1])
             targets = torch.as_tensor(w[p:], dtype=torch.long)
-            logits_own, _ = kv_eval.forward(tgt.model, w[p - 1: -1], own_kv)
-            logits_conv, _ = kv_eval.forward(tgt.model, w[load.tokens: -1], load.kv,
+            logits_own, _ = forward(tgt.model, w[p - 1: -1], own_kv)
+            logits_conv, _ = forward(tgt.model, w[load.tokens: -1], load.kv,
                                              logits_to_keep=continuation)
-            logits_none, _ = kv_eval.forward(tgt.model, [pair.tokenizer.bos_id] + w[p: -1])
+            logits_none, _ = forward(tgt.model, [pair.tokenizer.bos_id] + w[p: -1])
             sums.add(logits_own, logits_conv, logits_none, targets)
         rows.append({"prompt_tokens": p, "loaded_tokens": int(load.tokens),
                      "converted": bool(load.converted), "source": load.source,
@@ -147,23 +160,13 @@ def run(pair: Any, adapter: kvbridge.LinearAdapter, windows: Sequence[Sequence[i
 
 def get_cross_adapter(pair: Any, path: str, fit_windows: int, log=print) -> Dict[str, Any]:
     """The cross-tokenizer adapter at `path` if it matches the loaded models, else one fitted
-    with the "seen" policy on `fit_windows` training windows (kvbridge.eval_cross)."""
-    from kvbridge import eval_cross
+    with the "seen" policy on `fit_windows` training windows (kvbridge.experiments.eval_cross)."""
+    def fit() -> kvbridge.LinearAdapter:
+        train = eval_cross.text_windows("train", int(testbed_module().MAX_CONTEXT) - 1,
+                                        fit_windows)
+        return eval_cross.fit_policies(pair, train, ["seen"])[0]["seen"]
 
-    if os.path.exists(path):
-        try:
-            return {"adapter": kv_eval.load_adapter(path, pair), "origin": "shipped", "path": path}
-        except kv_eval.StaleAdapterError as e:
-            reason = f"stale adapter: {e}"
-    else:
-        reason = f"no adapter at {path}"
-    log(f"{reason}; fitting one on {fit_windows} training windows")
-    t0 = time.perf_counter()
-    window = int(kv_eval.testbed_module().MAX_CONTEXT) - 1
-    train = eval_cross.text_windows("train", window, fit_windows)
-    adapter = eval_cross.fit_policies(pair, train, ["seen"])[0]["seen"]
-    return {"adapter": adapter, "origin": "fitted", "path": None,
-            "fit_seconds": time.perf_counter() - t0, "reason": reason}
+    return _shipped_or_fitted(pair, path, fit_windows, log, fit)
 
 
 def run_cross(pair: Any, adapter: kvbridge.LinearAdapter, texts: Sequence[str], share: float,
@@ -172,8 +175,6 @@ def run_cross(pair: Any, adapter: kvbridge.LinearAdapter, texts: Sequence[str], 
     `share` of bytes) the source tokenizes, prefills and saves it; the target, whose tokenizer
     differs, tokenizes the same text, loads it through the Bridge (the source's cache aligned
     and converted) and answers greedily, and again after its own prefill."""
-    from kvbridge import eval_cross
-
     src, tgt = pair.source, pair.target
     bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 30, chunk_tokens=chunk_tokens),
                              min_quality=min_quality)
@@ -184,7 +185,7 @@ def run_cross(pair: Any, adapter: kvbridge.LinearAdapter, texts: Sequence[str], 
     for text in texts:
         prompt = eval_cross.utf8_prefix(text, int((1.0 - share) * len(text.encode("utf-8"))))
         src_ids = src.tokenizer.encode(prompt)
-        bridge.save(src.spec, src_ids, kv_eval.prefix_kv(src.model, src_ids))
+        bridge.save(src.spec, src_ids, prefix_kv(src.model, src_ids))
         tgt_ids = tgt.tokenizer.encode(prompt)
         if not rows:
             greedy(tgt.model, tgt_ids, None, 2)  # warm-up, untimed
@@ -285,7 +286,7 @@ def format_report(report: Dict[str, Any], pair: Any, shown: int = 3) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge demo", description=__doc__.split("\n")[0])
-    at_least = kv_eval.int_at_least
+    at_least = int_at_least
     p.add_argument("--prompts", type=at_least(1), default=8, help="held-out prompts in the batch")
     p.add_argument("--window-tokens", type=at_least(0), default=0,
                    help="prompt + continuation tokens (0: testbed.MAX_CONTEXT)")
@@ -305,17 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the testbed-a -> testbed-c adapter (default: the shipped one)")
     p.add_argument("--threads", type=at_least(0), default=1,
                    help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default "
-                   "(see kvbridge.eval.set_threads)")
+                   "(see kvbridge.experiments.common.set_threads)")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
-    from kvbridge import testbed
+    from kvbridge.experiments import testbed
 
-    kv_eval.set_threads(args.threads)
-    kv_eval.quiet_model_loading()
+    set_threads(args.threads)
+    quiet_model_loading()
     pair = testbed.load_pair()
     window = args.window_tokens or int(testbed.MAX_CONTEXT)
     if window > testbed.MAX_CONTEXT:
@@ -336,8 +337,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     report["threads"] = torch.get_num_threads()
     print(format_report(report, pair, args.show))
     if args.cross_prompts:
-        from kvbridge import eval_cross
-
         cross_pair = testbed.load_pair(testbed.SOURCE_NAME, testbed.BPE_MODEL_NAME)
         cross_got = get_cross_adapter(cross_pair, args.cross_adapter
                                       or eval_cross.DEFAULT_CROSS_ADAPTER, args.fit_windows,

@@ -8,7 +8,7 @@ every map's weights and biases by gradient descent (Adam) on
 
 where ``p_own`` is the target's next-token distribution after its own prefill of the window's
 prefix and ``p_conv`` the one after the source's prefix cache converted by the adapter (the same
-prefix / continuation split as ``kvbridge.eval``: the cache covers ``w[0..P-1)``, the target runs
+prefix / continuation split as ``kvbridge.experiments.eval``: the cache covers ``w[0..P-1)``, the target runs
 ``w[P-1..W-1)``). After every epoch the same loss is measured on validation windows that neither
 fit saw; training stops when it has not improved for ``patience`` epochs and the best epoch's
 weights are kept (epoch 0, the closed-form fit, included: refinement never returns a worse
@@ -41,6 +41,9 @@ import torch
 from kvbridge._core import InvalidArgumentError
 from kvbridge._tensors import KVCache
 from kvbridge.adapter import LinearAdapter
+from kvbridge.experiments.common import testbed_module
+from kvbridge.experiments.eval import text_windows
+from kvbridge.hf import as_cache, forward, prefix_kv
 
 
 def _rope_tables(spec: Any, layer: int, positions: torch.Tensor, dtype: torch.dtype):
@@ -198,7 +201,7 @@ class TorchAdapter(torch.nn.Module):
 @dataclass
 class RefineConfig:
     """Refinement settings; windows are of ``window_tokens`` with ``continuation_tokens`` scored
-    (0: the kvbridge.eval defaults)."""
+    (0: the kvbridge.experiments.eval defaults)."""
 
     train_windows: int = 384
     val_windows: int = 32
@@ -228,12 +231,10 @@ def refine(pair: Any, adapter: LinearAdapter, path: str, out_path: str,
            data: Any = None) -> RefineResult:
     """Refines `adapter` (read from `path`) on pair.source -> pair.target and writes the result
     to `out_path` (see the module docstring)."""
-    from kvbridge import eval as ev
-
-    max_context = int(ev.testbed_module(data).MAX_CONTEXT)
+    max_context = int(testbed_module(data).MAX_CONTEXT)
     window = config.window_tokens or max_context
     cont = config.continuation_tokens or window // 4
-    windows = ev.text_windows(pair, "train", window,
+    windows = text_windows(pair, "train", window,
                               config.skip_windows + config.train_windows + config.val_windows,
                               data)[config.skip_windows:]
     if len(windows) < config.train_windows + config.val_windows or config.val_windows < 1:
@@ -249,15 +250,15 @@ def refine(pair: Any, adapter: LinearAdapter, path: str, out_path: str,
         items = []
         for w in ws:
             p = len(w) - cont
-            src = ev.prefix_kv(pair.source.model, w[: p - 1])
-            own, _ = ev.forward(target, w[p - 1: -1], ev.prefix_kv(target, w[: p - 1]))
+            src = prefix_kv(pair.source.model, w[: p - 1])
+            own, _ = forward(target, w[p - 1: -1], prefix_kv(target, w[: p - 1]))
             items.append((w, p, src, own))
         return items
 
     def loss_of(item):
         w, p, src, own = item
         ids = torch.as_tensor(w[p - 1: -1], dtype=torch.long).view(1, -1)
-        out = target(ids, cache=ev.as_cache(model(src)), use_cache=True)
+        out = target(ids, cache=as_cache(model(src)), use_cache=True)
         return _kl(own.double(), out.logits[0].double())
 
     def val_loss():
@@ -308,7 +309,7 @@ def refine(pair: Any, adapter: LinearAdapter, path: str, out_path: str,
     with torch.no_grad():
         for q, b in zip(params, best_state):
             q.copy_(b)
-    pairs = [(ev.prefix_kv(pair.source.model, w), ev.prefix_kv(target, w)) for w in val]
+    pairs = [(prefix_kv(pair.source.model, w), prefix_kv(target, w)) for w in val]
     old = adapter.report
     layers = [{**r2, "ridge_key": float(l["ridge_key"]), "ridge_value": float(l["ridge_value"])}
               for r2, l in zip(model.r2(pairs), old["layers"])]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from kvbridge import _core, testbed
+from kvbridge import _core
+from kvbridge.experiments import testbed
 from kvbridge._core import InvalidArgumentError
 
 #: Block size (and the connector's chunk) of the testbed engines.
@@ -102,14 +103,14 @@ def damaged_testbed_adapter(pair: Any, directory: str):
     as damaged.safetensors. pair: testbed.load_pair(). Returns (twin spec, adapter, path)."""
     import os
 
-    from kvbridge import eval as ev
-    from kvbridge import monitor
+    from kvbridge import quality
+    from kvbridge.experiments.eval import text_windows
 
     spec_a = pair.source.spec
     fields = {n: getattr(spec_a, n) for n, _, _ in _core.ModelSpec.FIELDS}
     twin = _core.ModelSpec(**dict(fields, name="testbed-a-damaged"))
-    adapter = monitor.damaged_adapter(pair.source.model, pair.target.model, twin,
-                                      pair.target.spec, ev.text_windows(pair, "train", 64, 12))
+    adapter = quality.damaged_adapter(pair.source.model, pair.target.model, twin,
+                                      pair.target.spec, text_windows(pair, "train", 64, 12))
     path = os.path.join(str(directory), "damaged.safetensors")
     adapter.save(path)
     return twin, adapter, path
