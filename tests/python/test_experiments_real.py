@@ -4,10 +4,9 @@ import pytest
 import torch
 
 import kvbridge
-from kvbridge import eval as kv_eval
-from kvbridge import eval_cross, models
+from kvbridge import hf, models
 from kvbridge.experiments import corpus, real_eval, real_refine, selective
-from kvbridge.refine import TorchAdapter
+from kvbridge.experiments.refine import TorchAdapter
 
 pytestmark = pytest.mark.skipif(
     not all(models.installed(n) for n in ("smollm2-135m", "gemma3-270m")),
@@ -26,9 +25,9 @@ def test_recomputing_scattered_positions_over_own_kv_is_a_full_prefill(name, tok
     of the whole sequence."""
     m = models.load(name)
     ids = [m.bos_id] + random_ids(tokens - 1, seed=tokens)
-    full, _ = kv_eval.forward(m.model, ids)
+    full, _ = hf.forward(m.model, ids)
     prompt = tokens - 9
-    own = kv_eval.prefix_kv(m.model, ids[:prompt])
+    own = hf.prefix_kv(m.model, ids[:prompt])
     g = torch.Generator().manual_seed(1)
     chosen = sorted((torch.randperm(prompt - 1, generator=g)[:prompt // 5] + 1).tolist())
     kept = [i for i in range(prompt) if i not in set(chosen)]
@@ -70,7 +69,7 @@ def test_refinement_forward_is_the_adapter_convert_with_the_own_start(tmp_path):
     adapter.save(path)
     model = TorchAdapter(kvbridge.LinearAdapter.load(path), path)
     window = real_refine.Window(pair, texts[6], 0.25, adapter.alignment_policy)
-    src = kv_eval.prefix_kv(pair.source.model, window.src_ids)
+    src = hf.prefix_kv(pair.source.model, window.src_ids)
     start = real_eval.start_kv(pair.target)
     expected = real_eval.with_own_start(adapter.convert(src, alignment=window.index), start)
     with torch.no_grad():
@@ -87,7 +86,7 @@ def test_refinement_forward_is_the_adapter_convert_with_the_own_start(tmp_path):
         conv = real_refine.aligned_forward(model, src, window.index, start)
         ids = torch.as_tensor(window.ids[window.p - 1:-1]).view(1, -1)
         out = target(ids, use_cache=True,
-                     **{kv_eval._cache_keyword(target): kv_eval.as_cache(conv)})
+                     **{hf._cache_keyword(target): hf.as_cache(conv)})
         return real_refine.kl(own, out.logits[0])
 
     before = loss()

@@ -23,14 +23,14 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 import kvbridge
-from kvbridge import eval as kv_eval
-from kvbridge import eval_cross, models
-from kvbridge.experiments import corpus, real_eval
-from kvbridge.refine import TorchAdapter, rope
+from kvbridge import hf, models
+from kvbridge._tensors import KVCache
+from kvbridge.experiments import common, corpus, eval_cross, real_eval
+from kvbridge.experiments.refine import TorchAdapter, rope
 
 
-def aligned_forward(adapter: TorchAdapter, src: kv_eval.KVCache, index: Sequence[int],
-                    start: kv_eval.KVCache) -> kv_eval.KVCache:
+def aligned_forward(adapter: TorchAdapter, src: KVCache, index: Sequence[int],
+                    start: KVCache) -> KVCache:
     """The differentiable ``LinearAdapter.convert(src, alignment=index)`` with the first token's
     KV replaced by the target's own `start` (real_eval.with_own_start)."""
     feats = adapter.features(src)  # un-rotated at the source's positions
@@ -68,8 +68,8 @@ class Window:
         self.src_ids = src.ids
 
     def own_logits(self, target) -> torch.Tensor:
-        own_kv = kv_eval.prefix_kv(target, self.ids[:self.p - 1])
-        return kv_eval.forward(target, self.ids[self.p - 1:-1], own_kv)[0]
+        own_kv = hf.prefix_kv(target, self.ids[:self.p - 1])
+        return hf.forward(target, self.ids[self.p - 1:-1], own_kv)[0]
 
 
 def kl(own: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
-    kv_eval.set_threads(args.threads)
+    common.set_threads(args.threads)
     torch.manual_seed(args.seed)
     config = real_eval.RealConfig()
     train_files, _ = corpus.split_files(corpus.default_files(), config.heldout_share, config.seed)
@@ -119,10 +119,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
     def loss_of(w: Window, own: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            src = kv_eval.prefix_kv(pair.source.model, w.src_ids)
+            src = hf.prefix_kv(pair.source.model, w.src_ids)
         conv = aligned_forward(model, src, w.index, start)
         ids = torch.as_tensor(w.ids[w.p - 1:-1], dtype=torch.long).view(1, -1)
-        out = target(ids, use_cache=True, **{kv_eval._cache_keyword(target): kv_eval.as_cache(conv)})
+        out = target(ids, use_cache=True, **{hf._cache_keyword(target): hf.as_cache(conv)})
         return kl(own, out.logits[0])
 
     def val_loss() -> float:

@@ -34,14 +34,14 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 import kvbridge
-from kvbridge import eval as kv_eval
-from kvbridge import eval_cross, models
-from kvbridge.experiments import corpus, real_eval
+from kvbridge import hf, models
+from kvbridge._tensors import KVCache
+from kvbridge.experiments import common, corpus, eval_cross, real_eval
 
 RULES = ("tail", "deviation-l0", "deviation-all", "half-tail")
 
 
-def deviation(conv: kv_eval.KVCache, own: kv_eval.KVCache, layers: Sequence[int]) -> torch.Tensor:
+def deviation(conv: KVCache, own: KVCache, layers: Sequence[int]) -> torch.Tensor:
     """Per position [n]: the mean over `layers` of the normalized KV error (module docstring)."""
     total = None
     for layer in layers:
@@ -100,20 +100,20 @@ def _masks(model, query_pos: torch.Tensor, key_pos: torch.Tensor):
 
 
 @torch.no_grad()
-def forward_at(model, ids: Sequence[int], positions: Sequence[int], past: kv_eval.KVCache,
+def forward_at(model, ids: Sequence[int], positions: Sequence[int], past: KVCache,
                past_positions: Sequence[int]) -> torch.Tensor:
     """Logits [len(ids), vocab] of tokens `ids` at `positions` after the cache `past` whose
     entries sit at `past_positions` (any order; neither needs to be contiguous)."""
     q = torch.as_tensor(list(positions), dtype=torch.long)
     k = torch.cat([torch.as_tensor(list(past_positions), dtype=torch.long), q])
     x = torch.as_tensor(list(ids), dtype=torch.long).view(1, -1)
-    kw = {kv_eval._cache_keyword(model): kv_eval.as_cache(past)}
+    kw = {hf._cache_keyword(model): hf.as_cache(past)}
     out = model(x, position_ids=q.view(1, -1), attention_mask=_masks(model, q, k),
                 use_cache=True, **kw)
     return out.logits[0].float()
 
 
-def _take(kv: kv_eval.KVCache, positions: Sequence[int]) -> kv_eval.KVCache:
+def _take(kv: KVCache, positions: Sequence[int]) -> KVCache:
     index = torch.as_tensor(list(positions), dtype=torch.long)
     return tuple((k[:, :, index], v[:, :, index]) for k, v in kv)
 
@@ -124,21 +124,21 @@ def score(pair: real_eval.Pair, adapter: kvbridge.LinearAdapter, texts: Sequence
     """Pooled kept / agreement per rule and budget over held-out windows (module docstring)."""
     src_m, tgt_m = pair.source, pair.target
     start = real_eval.start_kv(tgt_m)
-    sums = {(rule, r): kv_eval.Sums() for rule in rules for r in budgets}
+    sums = {(rule, r): common.Sums() for rule in rules for r in budgets}
     computed = {key: 0 for key in sums}
     windows = prompt_tokens = 0
-    for text in kv_eval.progress_items(texts, progress, desc="held-out windows"):
+    for text in common.progress_items(texts, progress, desc="held-out windows"):
         split = eval_cross.split_window(tgt_m.tokenizer, text, share)
         if split is None:
             continue
         ids, p = split.target.ids, split.p
         targets, logits_own, logits_none, cached = eval_cross.references(tgt_m.model, split,
                                                                          tgt_m.bos_id)
-        own = kv_eval.prefix_kv(tgt_m.model, ids[:p - 1])
+        own = hf.prefix_kv(tgt_m.model, ids[:p - 1])
         src = real_eval.encode(src_m, split.prefix_text)
         index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
         conv = real_eval.with_own_start(
-            adapter.convert(kv_eval.prefix_kv(src_m.model, src.ids), alignment=index), start)
+            adapter.convert(hf.prefix_kv(src_m.model, src.ids), alignment=index), start)
         dev_l0 = deviation(conv, own, [0])
         dev_all = deviation(conv, own, range(len(own)))
         keep_end = p - 1  # positions [0, p-1) are cached; p-1 onward the target computes
@@ -184,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--out", default="selective-out")
     args = p.parse_args(argv)
     config = real_eval.RealConfig(heldout_windows=args.heldout_windows)
-    kv_eval.set_threads(args.threads)
+    common.set_threads(args.threads)
     _, heldout_files = corpus.split_files(corpus.default_files(), config.heldout_share, config.seed)
     heldout = corpus.windows(heldout_files, config.window_bytes, config.heldout_windows)
     pair = real_eval.Pair(models.load(args.source), models.load(args.target))
@@ -195,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     (out / "selective.json").write_text(json.dumps(
         {"source": args.source, "target": args.target, "adapter": args.adapter,
          "results": {rule: {str(r): m for r, m in rows.items()} for rule, rows in results.items()}},
-        indent=1, default=kv_eval._finite_or_null))
+        indent=1, default=common.finite_or_null))
     print(format_table(results))
     return results
 
