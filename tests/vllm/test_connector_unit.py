@@ -371,3 +371,17 @@ def test_vllm_modules_import_one_way():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+def test_each_role_serves_its_own_calls():
+    """A connector holds only its role's side: a call of the other role raises kvbridge.Error
+    rather than running on state the role never builds."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    conn = connector.KVBridgeConnector.__new__(connector.KVBridgeConnector)
+    conn._role, conn._scheduler, conn._worker = KVConnectorRole.WORKER, None, object()
+    with pytest.raises(kvbridge.Error, match="scheduler-side call on the worker connector"):
+        conn.build_connector_meta(None)
+    conn._role, conn._scheduler, conn._worker = KVConnectorRole.SCHEDULER, object(), None
+    with pytest.raises(kvbridge.Error, match="worker-side call on the scheduler connector"):
+        conn.get_block_ids_with_load_errors()

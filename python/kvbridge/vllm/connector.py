@@ -103,8 +103,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def _side(self, side: Optional[Any], name: str) -> Any:
         if side is None:
-            raise RuntimeError(f"KVBridgeConnector: {name}-side call on the {self.role.name.lower()} "
-                               "connector")
+            # vLLM calls each role's methods on that role's connector only.
+            raise _core.Error(f"KVBridgeConnector: {name}-side call on the "
+                               f"{self.role.name.lower()} connector")
         return side
 
     # ----- both roles ---------------------------------------------------------------------
