@@ -13,7 +13,8 @@ import kvbridge  # noqa: E402
 from kvbridge import specs  # noqa: E402
 from kvbridge.experiments import testbed  # noqa: E402
 from kvbridge.experiments.vllm_testbed import ADAPTER  # noqa: E402
-from kvbridge.vllm import connector, options, paged  # noqa: E402
+from kvbridge.vllm import (connector, metadata, options, paged, registry, stats,  # noqa: E402
+                           tokenizer_setup, worker)
 
 
 
@@ -109,8 +110,8 @@ def test_load_into_blocks_writes_the_promised_range():
     tokens, kv = stored_prompt(store, 13, 12)
     _, layers = paged_layers()
     block_ids = [5, 2, 7, 1]
-    op = connector.LoadOp("r", tokens, "default", 3, 12, block_ids)
-    loaded, converted, failed = connector.load_into_blocks(bridge, SPEC, layers, BS, op)
+    op = metadata.LoadOp("r", tokens, "default", 3, 12, block_ids)
+    loaded, converted, failed = worker.load_into_blocks(bridge, SPEC, layers, BS, op)
     assert (loaded, converted, failed) == (9, False, set())
     for (keys, values), (k, v) in zip(layers, kv):
         gk, gv = paged.gather(keys, values, block_ids, 12)
@@ -124,20 +125,20 @@ def test_load_into_blocks_reports_what_it_could_not_deliver():
     tokens, kv = stored_prompt(store, 13, 8)     # the scheduler promised 12, only 8 remain
     _, layers = paged_layers()
     block_ids = [5, 2, 7, 1]
-    op = connector.LoadOp("r", tokens, "default", 4, 12, block_ids)
-    loaded, _, failed = connector.load_into_blocks(bridge, SPEC, layers, BS, op)
+    op = metadata.LoadOp("r", tokens, "default", 4, 12, block_ids)
+    loaded, _, failed = worker.load_into_blocks(bridge, SPEC, layers, BS, op)
     assert loaded == 4 and failed == {7}
     store.erase(SPEC, tokens[:8])                # now nothing is left
-    loaded, _, failed = connector.load_into_blocks(bridge, SPEC, layers, BS, op)
+    loaded, _, failed = worker.load_into_blocks(bridge, SPEC, layers, BS, op)
     assert loaded == 0 and failed == {2, 7}
     # no registered caches (or any other exception) fails every promised block, never raises
-    loaded, _, failed = connector.load_into_blocks(bridge, SPEC, None, BS, op)
+    loaded, _, failed = worker.load_into_blocks(bridge, SPEC, None, BS, op)
     assert loaded == 0 and failed == {2, 7}
 
 
 def test_stats_aggregate():
-    a = connector.KVBridgeConnectorStats(data={"loads": 2, "tokens_loaded": 64})
-    b = connector.KVBridgeConnectorStats(data={"loads": 1, "load_errors": 1})
+    a = stats.KVBridgeConnectorStats(data={"loads": 2, "tokens_loaded": 64})
+    b = stats.KVBridgeConnectorStats(data={"loads": 1, "load_errors": 1})
     assert a.aggregate(b).reduce() == {"loads": 3, "tokens_loaded": 64, "load_errors": 1}
     assert not a.is_empty()
     a.reset()
@@ -185,7 +186,7 @@ def test_background_saves_keep_provenance_and_respect_a_disable():
     writes back."""
     shipped = kvbridge.LinearAdapter.load(ADAPTER)
     spec = shipped.target
-    shared = connector._Shared(options.parse_options({"adapters": [str(ADAPTER)]}, 32), spec)
+    shared = registry.Shared(options.parse_options({"adapters": [str(ADAPTER)]}, 32), spec)
     assert shared.bridge.write_back is False
     gen = torch.Generator().manual_seed(11)
 
@@ -196,8 +197,8 @@ def test_background_saves_keep_provenance_and_respect_a_disable():
 
     origin = (shipped.source.fingerprint, shipped.fingerprint)
     derived, own = list(range(100, 164)), list(range(300, 364))
-    shared.submit_save(derived, prompt_kv(64), "t", origin)
-    shared.submit_save(own, prompt_kv(64), "t")
+    shared.saver.submit(derived, prompt_kv(64), "t", origin)
+    shared.saver.submit(own, prompt_kv(64), "t")
     shared.flush()
     hit = shared.store.match(spec, derived, "t", return_kv=False)
     assert (hit.tokens, hit.converted_from, hit.adapter) == (64, *origin)
@@ -208,10 +209,10 @@ def test_background_saves_keep_provenance_and_respect_a_disable():
     assert shared.store.match(spec, own, "t").tokens == 64
     # a save queued for the disabled adapter stores nothing
     late = list(range(500, 564))
-    shared.submit_save(late, prompt_kv(64), "t", origin)
+    shared.saver.submit(late, prompt_kv(64), "t", origin)
     shared.flush()
     assert shared.store.match(spec, late, "t").tokens == 0
-    assert shared.totals["saves_purged"] == 1 and shared.totals["save_errors"] == 0
+    assert shared.counters.totals()["saves_purged"] == 1 and shared.counters.totals()["save_errors"] == 0
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
@@ -277,14 +278,14 @@ def test_kv_cache_groups_rule():
                                  dtype=torch.float32, sliding_window=512)
     sliding = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=256,
                                 dtype=torch.float32, sliding_window=512)
-    connector.check_kv_cache_groups(None)
-    connector.check_kv_cache_groups(config(full), 1024)
-    connector.check_kv_cache_groups(config(promoted), 1024)
-    connector.check_kv_cache_groups(config(sliding), 512)  # no request outgrows the window
+    worker.check_kv_cache_groups(None)
+    worker.check_kv_cache_groups(config(full), 1024)
+    worker.check_kv_cache_groups(config(promoted), 1024)
+    worker.check_kv_cache_groups(config(sliding), 512)  # no request outgrows the window
     with pytest.raises(ValueError, match="2 KV cache groups"):
-        connector.check_kv_cache_groups(config(full, sliding), 1024)
+        worker.check_kv_cache_groups(config(full, sliding), 1024)
     with pytest.raises(ValueError, match="does not keep every token's blocks"):
-        connector.check_kv_cache_groups(config(sliding), 1024)
+        worker.check_kv_cache_groups(config(sliding), 1024)
 
 
 def test_source_tokenizers_are_found_by_their_files(tmp_path, monkeypatch):
@@ -304,11 +305,84 @@ def test_source_tokenizers_are_found_by_their_files(tmp_path, monkeypatch):
                                        tokenizer=specs.tokenizer_id(tok_dir)))
     fake = type("A", (), {"source": source, "target": shipped.target})()
     monkeypatch.setenv("KVBRIDGE_MODELS_DIR", str(tmp_path / "models"))
-    assert connector.source_tokenizers([fake], (str(other), str(tok_dir))) == \
+    assert tokenizer_setup.source_tokenizers([fake], (str(other), str(tok_dir))) == \
         {source.tokenizer: str(tok_dir)}
     with pytest.raises(ValueError, match="'tokenizers' option"):
-        connector.source_tokenizers([fake], (str(other),))
+        tokenizer_setup.source_tokenizers([fake], (str(other),))
     converted = models.models_dir() / "src-model"
     converted.mkdir(parents=True)
     (converted / "tokenizer.json").write_text((tok_dir / "tokenizer.json").read_text())
-    assert connector.source_tokenizers([fake], ()) == {source.tokenizer: str(converted)}
+    assert tokenizer_setup.source_tokenizers([fake], ()) == {source.tokenizer: str(converted)}
+
+
+def test_connector_module_keeps_its_public_names():
+    """KVTransferConfig names the connector by module path: kvbridge.vllm and
+    kvbridge.vllm.connector both give the one class, and the connector module still exports
+    the names it documents."""
+    import kvbridge.vllm as kv_vllm
+
+    assert kv_vllm.KVBridgeConnector is connector.KVBridgeConnector
+    assert kv_vllm.COUNTERS is stats.COUNTERS and kv_vllm.TIMERS is stats.TIMERS
+    for name in connector.__all__:
+        assert getattr(connector, name) is not None, name
+    assert connector.LoadOp is metadata.LoadOp
+    assert connector.load_into_blocks is worker.load_into_blocks
+
+
+def _vllm_imports():
+    """{module: kvbridge.vllm modules it imports}, at module level or inside functions."""
+    import ast
+
+    folder = pathlib.Path(connector.__file__).parent
+    names = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    graph = {}
+    for name in names:
+        found = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "kvbridge.vllm":
+                    found |= {a.name for a in node.names if a.name in names}
+                elif node.module.startswith("kvbridge.vllm."):
+                    found.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[2] for a in node.names
+                          if a.name.startswith("kvbridge.vllm.")}
+        graph[name] = found - {name}
+    return graph
+
+
+def test_vllm_modules_import_one_way():
+    """No import loop inside kvbridge.vllm (lazy imports count): the roles and their parts
+    form a tree under connector, and only shadow (which drives the connector) sits above it."""
+    graph = _vllm_imports()
+    assert "connector" in graph["shadow"]
+    for name in ("scheduler", "worker", "registry", "saver", "stats", "metadata"):
+        assert "connector" not in graph[name] and "shadow" not in graph[name], name
+    state = {}
+
+    def visit(name, path):
+        if state.get(name) == "open":
+            raise AssertionError(f"import loop: {' -> '.join(path + [name])}")
+        if state.get(name) == "done":
+            return
+        state[name] = "open"
+        for dep in sorted(graph.get(name, ())):
+            visit(dep, path + [name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_each_role_serves_its_own_calls():
+    """A connector holds only its role's side: a call of the other role raises kvbridge.Error
+    rather than running on state the role never builds."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    conn = connector.KVBridgeConnector.__new__(connector.KVBridgeConnector)
+    conn._role, conn._scheduler, conn._worker = KVConnectorRole.WORKER, None, object()
+    with pytest.raises(kvbridge.Error, match="scheduler-side call on the worker connector"):
+        conn.build_connector_meta(None)
+    conn._role, conn._scheduler, conn._worker = KVConnectorRole.SCHEDULER, object(), None
+    with pytest.raises(kvbridge.Error, match="worker-side call on the scheduler connector"):
+        conn.get_block_ids_with_load_errors()

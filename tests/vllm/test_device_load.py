@@ -1,6 +1,6 @@
 """kvbridge.vllm.device_load: converted loads made on the paged cache's device, against
 Bridge.load (the C++ load policy, converting on the CPU) on seeded random KV of the shipped
-adapter's source and target specs; through the connector's load_into_blocks into the GPU
+adapter's source and target specs; through the connector worker's load_into_blocks into the GPU
 backends' ("split") layout on CPU tensors; and on CUDA where there is one."""
 import pytest
 import torch
@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 
 import kvbridge  # noqa: E402
 from kvbridge.experiments.vllm_testbed import ADAPTER  # noqa: E402
-from kvbridge.vllm import connector, device_load, paged  # noqa: E402
+from kvbridge.vllm import device_load, metadata, paged, worker  # noqa: E402
 
 CHUNK = 32
 NS = "tenant"
@@ -175,14 +175,14 @@ def test_connector_call_site_split_layout(adapter, monkeypatch, start, native_to
     prompt = prompt_of(101, seed=9)
     bridge = make_bridge(adapter, prompt, 96, native_tokens, seed=3)
     block_ids = [5, 1, 7, 2]
-    op = connector.LoadOp("r", prompt, NS, start, 96, block_ids)
+    op = metadata.LoadOp("r", prompt, NS, start, 96, block_ids)
     caches = {}
     for path in ("cpu", "device"):
         layers = split_cache(spec, 9, CHUNK, seed=4)
         views = [paged.kv_views(kv, "split", spec.head_dim) for kv in layers]
         with monkeypatch.context() as m:
             m.setattr(device_load, "wants_device_load", lambda _layers, on=path == "device": on)
-            loaded, converted, failed = connector.load_into_blocks(bridge, spec, views, CHUNK, op)
+            loaded, converted, failed = worker.load_into_blocks(bridge, spec, views, CHUNK, op)
         assert (loaded, converted, failed) == (96 - start, True, set())
         caches[path] = layers
     untouched = split_cache(spec, 9, CHUNK, seed=4)
@@ -206,8 +206,8 @@ def test_load_failure_is_blocks_to_recompute(adapter, monkeypatch):
     monkeypatch.setattr(kvbridge.LinearAdapter, "convert", broken)
     views = [paged.kv_views(kv, "split", spec.head_dim)
              for kv in split_cache(spec, 9, CHUNK, seed=4)]
-    op = connector.LoadOp("r", prompt, NS, 32, 96, [5, 1, 7, 2])
-    loaded, _, failed = connector.load_into_blocks(bridge, spec, views, CHUNK, op)
+    op = metadata.LoadOp("r", prompt, NS, 32, 96, [5, 1, 7, 2])
+    loaded, _, failed = worker.load_into_blocks(bridge, spec, views, CHUNK, op)
     assert loaded == 0 and failed == {1, 7}
 
 
@@ -237,8 +237,8 @@ def test_cuda_cache_takes_the_device_path(adapter, monkeypatch):
     monkeypatch.setattr(device_load, "load", lambda *a, **k: calls.append(1) or real(*a, **k))
     layers = split_cache(spec, 9, CHUNK, seed=4, device="cuda")
     views = [paged.kv_views(kv, "split", spec.head_dim) for kv in layers]
-    op = connector.LoadOp("r", prompt, NS, 0, 96, [5, 1, 7, 2])
-    assert connector.load_into_blocks(bridge, spec, views, CHUNK, op) == (96, True, set())
+    op = metadata.LoadOp("r", prompt, NS, 0, 96, [5, 1, 7, 2])
+    assert worker.load_into_blocks(bridge, spec, views, CHUNK, op) == (96, True, set())
     assert calls == [1]
     want = bridge.load(spec, prompt, NS)
     for (keys, values), (wk, wv) in zip(views, want.kv):

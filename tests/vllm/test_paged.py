@@ -120,7 +120,7 @@ def test_cpu_layout_is_what_vllm_writes(dtype, block_size, head_dim):
     check the connector runs at start); the AMX kernels' packed bfloat16 blocks are refused."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from kvbridge.vllm.connector import check_cpu_layout
+    from kvbridge.vllm.worker import check_cpu_layout
 
     if _get_attn_isa(dtype, block_size, head_dim) == "amx":
         with pytest.raises(ValueError, match="'amx'.*not supported"):

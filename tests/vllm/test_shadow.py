@@ -23,7 +23,7 @@ from kvbridge.experiments import vllm_testbed as engines  # noqa: E402
 from kvbridge.experiments.vllm_testbed import (ADAPTER, greedy, heldout_prompts,  # noqa: E402
                                                token_prompts)
 from kvbridge.vllm import shadow  # noqa: E402
-from kvbridge.vllm.connector import OUTCOME_KEY  # noqa: E402
+from kvbridge.vllm.metadata import OUTCOME_KEY  # noqa: E402
 
 #: The Bridge's default floor (the connector passes the Bridge's defaults through).
 FLOOR = dict((n, d) for n, _, d, _ in _core.Bridge.OPTIONS)["min_agreement"]
@@ -184,10 +184,11 @@ def test_quality_options_rejected(extra, match):
 def test_shadow_params_of_a_request():
     from types import SimpleNamespace
 
-    from kvbridge.vllm.connector import SHADOW_KEY, KVBridgeConnector
+    from kvbridge.vllm.metadata import SHADOW_KEY
+    from kvbridge.vllm.scheduler import shadow_params
 
     def parse(params):
-        return KVBridgeConnector._shadow(None, SimpleNamespace(kv_transfer_params=params))
+        return shadow_params(SimpleNamespace(kv_transfer_params=params))
 
     assert parse(None) == ("", None, 0)
     assert parse({"namespace": "t"}) == ("", None, 0)
@@ -204,10 +205,10 @@ def test_shadow_params_of_a_request():
 def test_disabled_adapters_are_not_probed(tmp_path):
     """The scheduler's probe skips an adapter the Bridge disabled, and sees it again once
     re-enabled; loads report the adapter behind their tokens."""
-    from kvbridge.vllm import connector, options
+    from kvbridge.vllm import metadata, options, registry, worker
 
     shipped = kvbridge.LinearAdapter.load(str(ADAPTER))
-    shared = connector._Shared(options.parse_options({"adapters": [str(ADAPTER)]}, 32),
+    shared = registry.Shared(options.parse_options({"adapters": [str(ADAPTER)]}, 32),
                                shipped.target)
     assert [a.fingerprint for a in shared.usable_adapters()] == [shipped.fingerprint]
     assert shared.bridge.disable_adapter(shipped)
@@ -227,8 +228,8 @@ def test_disabled_adapters_are_not_probed(tmp_path):
     layers = [paged.kv_views(torch.zeros(2, spec.num_kv_heads, 32, 2 * spec.head_dim), "cpu",
                              spec.head_dim) for _ in range(spec.num_layers)]
     info = {}
-    op = connector.LoadOp("r", tokens, "default", 0, 32, [1])
-    assert connector.load_into_blocks(shared.bridge, spec, layers, 32, op, info) == (32, False,
+    op = metadata.LoadOp("r", tokens, "default", 0, 32, [1])
+    assert worker.load_into_blocks(shared.bridge, spec, layers, 32, op, info) == (32, False,
                                                                                     set())
     assert info == {"converted_from": "", "adapter": ""}
 

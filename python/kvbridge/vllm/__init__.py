@@ -31,8 +31,8 @@ def _check_version(version: str) -> None:
 
 _check_version(getattr(_vllm, "__version__", "unknown"))
 
-from kvbridge.vllm.connector import (COUNTERS, TIMERS, KVBridgeConnector,  # noqa: E402
-                                     KVBridgeConnectorStats)
+from kvbridge.vllm.connector import KVBridgeConnector  # noqa: E402
+from kvbridge.vllm.stats import COUNTERS, TIMERS, KVBridgeConnectorStats  # noqa: E402
 from kvbridge.vllm.shadow import ShadowChecks, ShadowWorkerExtension  # noqa: E402
 
 __all__ = ["COUNTERS", "KVBridgeConnector", "KVBridgeConnectorStats", "ShadowChecks",

@@ -44,7 +44,7 @@ class ConnectorOptions:
         chunk_tokens to the engine's block size); namespace: default tenant namespace;
     adapters: adapter file paths (their target must be the served model); tokenizers: folders
         holding the tokenizers of adapter sources whose tokenizer differs from the served
-        model's (matched by kvbridge.specs.tokenizer_id; see connector.source_tokenizers);
+        model's (matched by kvbridge.specs.tokenizer_id; see tokenizer_setup.source_tokenizers);
     min_quality: the Bridge's; write_back: save prompts whose KV derives from a conversion (with its
         provenance, from the background thread: the connector's Bridge itself never writes
         back); model_name, version, tokenizer: override the derived ModelSpec fields; layout:

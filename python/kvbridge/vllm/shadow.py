@@ -50,7 +50,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbridge import _args
 from kvbridge._core import InvalidArgumentError
 from kvbridge.monitor import POSITIONS, Check
-from kvbridge.vllm.connector import OUTCOME_KEY, SHADOW_KEY
+from kvbridge.vllm.connector import KVBridgeConnector
+from kvbridge.vllm.metadata import OUTCOME_KEY, SHADOW_KEY
 
 log = logging.getLogger("kvbridge.vllm.shadow")
 
@@ -114,8 +115,6 @@ def check_from_logprobs(own: Sequence[Mapping[int, float]], conv: Sequence[Mappi
 def _connector():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvbridge.vllm.connector import KVBridgeConnector
-
     conn = get_kv_transfer_group()
     if not isinstance(conn, KVBridgeConnector):
         raise InvalidArgumentError(f"shadow checks need KVBridgeConnector, the engine runs "
@@ -155,7 +154,7 @@ class ShadowWorkerExtension:
         return _plain(_connector().stats())
 
     def kvbridge_metrics(self) -> str:
-        return _connector().bridge.metrics()
+        return _connector().metrics()
 
 
 class ShadowChecks:
