@@ -201,7 +201,7 @@ struct Item {
 
 struct DiskTier::Impl {
   Impl(const StoreOptions& o, std::function<int64_t()> clk, TierCounters* c)
-      : capacity(o.disk_capacity_bytes), fsync_files(o.disk_fsync),
+      : capacity(o.disk.capacity_bytes), fsync_files(o.disk.fsync),
         ttl_ms(o.ttl_seconds * 1000), clock(std::move(clk)), counters(c), order(o.eviction) {}
 
   ~Impl() {
@@ -674,7 +674,7 @@ struct DiskTier::Impl {
 
 DiskTier::DiskTier(const StoreOptions& options, std::function<int64_t()> clock)
     : impl_(std::make_unique<Impl>(options, std::move(clock), &counters_)) {
-  impl_->open(options.disk_dir);
+  impl_->open(options.disk.dir);
 }
 
 DiskTier::~DiskTier() = default;

@@ -1,5 +1,5 @@
 // The disk tier: one packed entry file per chunk (entry_codec.h) under
-//   <disk_dir>/kvbridge-v1/<fingerprint>/<first two hex digits of the key>/<key hex>.kvb
+//   <DiskOptions::dir>/kvbridge-v1/<fingerprint>/<first two hex digits of the key>/<key hex>.kvb
 // written as a temporary file beside it, fsynced (optionally) and published with a rename
 // that never replaces a file (src/core/atomic_file.h), so a reader sees a whole file or none.
 // Any number of stores, in any processes, may have one directory open: the files are the

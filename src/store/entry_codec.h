@@ -48,7 +48,7 @@ struct EntryProvenance {
   }
 };
 
-/// The two forms of Provenance (kv_store.h) agree: strings (empty or 32 lowercase hex digits,
+/// The two forms of Provenance (provenance.h) agree: strings (empty or 32 lowercase hex digits,
 /// both or neither; InvalidArgument otherwise) to the fixed form and back.
 EntryProvenance to_entry_provenance(const Provenance& p);
 Provenance from_entry_provenance(const EntryProvenance& p);

@@ -318,13 +318,13 @@ KVStore::KVStore(const StoreOptions& options) {
             "eviction 'ttl' needs ttl_seconds > 0");
   KVB_CHECK(options.storage == StorageFormat::kNative || options.storage == StorageFormat::kInt8,
             "storage: unknown format " << static_cast<int>(options.storage));
-  KVB_CHECK(options.disk_dir.empty() || options.disk_capacity_bytes > 0,
-            "disk_capacity_bytes must be > 0, got " << options.disk_capacity_bytes);
-  if (!options.disk_dir.empty()) detail::check_path(options.disk_dir, "disk_dir");
+  KVB_CHECK(!options.disk.enabled() || options.disk.capacity_bytes > 0,
+            "disk_capacity_bytes must be > 0, got " << options.disk.capacity_bytes);
+  if (options.disk.enabled()) detail::check_path(options.disk.dir, "disk_dir");
   impl_ = std::make_unique<Impl>(options);
-  if (!options.disk_dir.empty())
+  if (options.disk.enabled())
     impl_->tiers.push_back(std::make_unique<DiskTier>(options, impl_->clock));
-  if (!options.redis_url.empty()) impl_->tiers.push_back(std::make_unique<RedisTier>(options));
+  if (options.redis.enabled()) impl_->tiers.push_back(std::make_unique<RedisTier>(options));
 }
 
 KVStore::~KVStore() = default;

@@ -197,8 +197,8 @@ TEST_P(StoreInt8, MemoryAndByteCountersUseTheInt8Size) {
   StridedKV kv(s, kTokens, 22);
   StoreOptions o = options();
   TempDir dir;
-  o.disk_dir = dir.path;
-  o.disk_fsync = false;
+  o.disk.dir = dir.path;
+  o.disk.fsync = false;
   KVStore store(o);
   ASSERT_EQ(store.put(s, tokens, kv.view()), 2 * kChunk);
   const int64_t payload = 2 * 3 * kChunk * 3 * 18 + 4 * 3 * 3 * (18 + kChunk);
@@ -211,8 +211,8 @@ TEST_P(StoreInt8, MemoryAndByteCountersUseTheInt8Size) {
 }
 
 // A typical geometry: bfloat16, 64-dim heads, 256-token chunks. The accounted bytes of an int8
-// entry are at most 55% of the bfloat16 entry's (formula in kv_store.h: 1/2 + 1/T + 1/D of the
-// payload, plus the same 4*T + 128 bytes of token ids and overhead).
+// entry are at most 55% of the bfloat16 entry's (formula in store_options.h: 1/2 + 1/T + 1/D of
+// the payload, plus the same 4*T + 128 bytes of token ids and overhead).
 TEST(StoreInt8Memory, AccountedBytesAreAtMost55PercentOfBFloat16) {
   const ModelSpec s = testing::small_spec(DType::kBFloat16, 4, 2, 64);
   const int64_t chunk = 256;
@@ -246,8 +246,8 @@ TEST_P(StoreInt8, DiskTierKeepsTheInt8PayloadForAStoreOpenedLater) {
   StridedKV kv(s, kTokens, 42);
   TempDir dir;
   StoreOptions o = options();
-  o.disk_dir = dir.path;
-  o.disk_fsync = false;
+  o.disk.dir = dir.path;
+  o.disk.fsync = false;
   testing::DenseKV first(s, 2 * kChunk, 1), second(s, 2 * kChunk, 2);
   {
     KVStore store(o);
@@ -285,8 +285,8 @@ TEST_P(StoreInt8, NativeAndInt8StoresOnOneDirectoryNeverShareEntries) {
   TempDir dir;
   StoreOptions native = options();
   native.storage = StorageFormat::kNative;
-  native.disk_dir = dir.path;
-  native.disk_fsync = false;
+  native.disk.dir = dir.path;
+  native.disk.fsync = false;
   {
     KVStore store(native);
     ASSERT_EQ(store.put(s, tokens, kv.view()), 2 * kChunk);
@@ -319,8 +319,8 @@ TEST_P(StoreInt8, RedisTierCarriesTheInt8Payload) {
   const auto tokens = testing::random_tokens(kTokens, 61);
   StridedKV kv(s, kTokens, 62);
   StoreOptions o = options();
-  o.redis_url = server.url();
-  o.redis_filter = false;
+  o.redis.url = server.url();
+  o.redis.filter = false;
   testing::DenseKV first(s, 2 * kChunk, 1), second(s, 2 * kChunk, 2);
   KVStore a(o);
   ASSERT_EQ(a.put(s, tokens, kv.view()), 2 * kChunk);
