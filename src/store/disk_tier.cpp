@@ -728,7 +728,7 @@ void DiskTier::store(std::string_view, const Fingerprint& fp,
   for (size_t i = 0; i < batch.size(); ++i) {
     const ChunkWrite& w = batch[i];
     (*stored)[i] = write_entry(w.key, fp, w.packed->prefix.data(), w.packed->prefix.size(),
-                               w.entry->kv, w.entry->payload_bytes, w.packed->checksum,
+                               w.entry->kv, w.entry->payload_size(), w.packed->checksum,
                                w.entry->created_ms);
   }
 }
@@ -789,12 +789,13 @@ LoadResult DiskTier::read_entry(const ExpectedEntry& want, char* payload, Loaded
   // still in cache), the last one together with the trailer. A file of the expected size (the
   // usual case) has its header, token ids and first block (with the trailer, when that block is
   // the last) read in one call; the header is checked after it.
-  const size_t prefix_bytes = entry_prefix_bytes(want.chunk);
+  const size_t prefix_bytes = entry_prefix_bytes(want.geometry.chunk);
   std::vector<unsigned char> prefix(prefix_bytes);
   if (total < prefix_bytes) return miss(&c.corrupt, Impl::Drop::kQuarantine);
-  const size_t payload_bytes = static_cast<size_t>(want.payload_bytes);
+  const size_t payload_bytes = static_cast<size_t>(want.geometry.payload_bytes);
   const size_t first = std::min(kEntryVerifyBlock, payload_bytes);
-  const bool expected_size = total == entry_encoded_bytes(want.chunk, want.payload_bytes);
+  const bool expected_size =
+      total == entry_encoded_bytes(want.geometry.chunk, want.geometry.payload_bytes);
   unsigned char first_trailer[kEntryTrailerBytes];
   errno = 0;
   bool read_ok;

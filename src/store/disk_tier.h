@@ -66,8 +66,8 @@ class DiskTier final : public LowerTier {
   /// stat): for writers, whose index may still list a file another store has removed since.
   bool has_file(const Hash128& key, const Fingerprint& fp);
 
-  /// Reads and verifies key's entry into `payload` (want.payload_bytes bytes); on kHit also sets
-  /// *meta. Corrupt files are moved to the quarantine directory; never throws.
+  /// Reads and verifies key's entry into `payload` (want.geometry.payload_bytes bytes); on kHit
+  /// also sets *meta. Corrupt files are moved to the quarantine directory; never throws.
   LoadResult read_entry(const ExpectedEntry& want, char* payload, LoadedMeta* meta);
 
   /// Writes one entry: `prefix` is its encoded header + tokens, `checksum` the XXH3-128 of

@@ -99,7 +99,7 @@ LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntr
   *drop = false;
   // The value is whole in memory: a block is read by copying it (verify_entry hashes each
   // block right after the copy, while it is still in cache).
-  const size_t prefix = entry_prefix_bytes(want.chunk);
+  const size_t prefix = entry_prefix_bytes(want.geometry.chunk);
   auto copy = [&](char* dst, size_t off, size_t len, unsigned char* trailer) {
     std::memcpy(dst, data + prefix + off, len);
     if (trailer) std::memcpy(trailer, data + prefix + off + len, kEntryTrailerBytes);
@@ -463,7 +463,7 @@ size_t RedisTier::batch_bytes() const {
 }
 
 bool RedisTier::wants(const Hash128&, const Fingerprint&, const ChunkEntry* pinned) {
-  return !pinned || pinned->redis_epoch.load(std::memory_order_relaxed) != epoch();
+  return !pinned || pinned->tier_marks[slot()].load(std::memory_order_relaxed) != epoch();
 }
 
 void RedisTier::store(std::string_view ns, const Fingerprint& fp,
@@ -472,14 +472,15 @@ void RedisTier::store(std::string_view ns, const Fingerprint& fp,
   writes.reserve(batch.size());
   for (const ChunkWrite& w : batch) {
     writes.push_back({key_for(ns, fp, w.key), w.key, w.packed->prefix.data(),
-                      w.packed->prefix.size(), w.entry->kv, w.entry->payload_bytes,
+                      w.packed->prefix.size(), w.entry->kv, w.entry->payload_size(),
                       w.packed->checksum});
   }
   const int64_t before = epoch();  // read first: a failure meanwhile re-sends
   const bool ok = write_values(writes);
   stored->assign(batch.size(), ok);
   if (ok)
-    for (const ChunkWrite& w : batch) w.entry->redis_epoch.store(before, std::memory_order_relaxed);
+    for (const ChunkWrite& w : batch)
+      w.entry->tier_marks[slot()].store(before, std::memory_order_relaxed);
 }
 
 int64_t RedisTier::erase(std::string_view ns, const Fingerprint& fp,
@@ -518,7 +519,8 @@ bool RedisTier::fetch_window(ChainLookup& chain, size_t c, Window* w) {
   }
   TierCounters::add(rc.filter_passes);
   const ExpectedEntry first = chain.expected(c);
-  const size_t value_bytes = entry_encoded_bytes(first.chunk, first.payload_bytes);
+  const size_t value_bytes =
+      entry_encoded_bytes(first.geometry.chunk, first.geometry.payload_bytes);
   const size_t limit = std::max<size_t>(
       1, std::min<size_t>(1024, static_cast<size_t>(impl_->options.redis.batch_bytes) /
                                     value_bytes));
@@ -577,7 +579,7 @@ LoadResult RedisTier::load(ChainLookup& chain, size_t c, std::unique_ptr<LookupS
   if (slot.no_room) return LoadResult::kNoRoom;
   if (slot.result != LoadResult::kHit) return slot.result;
   *meta = slot.meta;
-  meta->redis_epoch = w.epoch;
+  meta->mark = w.epoch;
   return LoadResult::kHit;
 }
 

@@ -67,12 +67,13 @@ class RedisTier final : public LowerTier {
   LoadResult load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>& state,
                   LoadedMeta* meta) override;
   /// A put sends every chunk the server is not known to hold: new ones, and ones put or read
-  /// while it was down or before it last failed (pinned->redis_epoch != epoch()), so an
+  /// while it was down or before it last failed (its mark in the memory entry != epoch()), so an
   /// outage is repaired by the next put.
   bool wants(const Hash128& key, const Fingerprint& fp, const ChunkEntry* pinned) override;
   /// RedisOptions::batch_bytes: a put's writes go in pipelines of about that many bytes.
   size_t batch_bytes() const override;
-  /// write_values() of the batch; a success records epoch() (read before) in each entry.
+  /// write_values() of the batch; a success records epoch() (read before) as each entry's mark
+  /// (ChunkEntry::tier_marks).
   void store(std::string_view ns, const Fingerprint& fp, const std::vector<ChunkWrite>& batch,
              std::vector<char>* stored) override;
   /// UNLINKs the keys' values (one round trip); returns 0 (the server's count is not asked for).

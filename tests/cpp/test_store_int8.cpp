@@ -265,8 +265,8 @@ TEST_P(StoreInt8, DiskTierKeepsTheInt8PayloadForAStoreOpenedLater) {
     ASSERT_EQ(std::fread(bytes.data(), 1, bytes.size(), f), bytes.size());
     std::fclose(f);
     const detail::EntryHeader h = detail::decode_entry_header(bytes.data(), bytes.size());
-    EXPECT_EQ(h.storage, StorageFormat::kInt8);
-    EXPECT_EQ(h.dtype, s.dtype);
+    EXPECT_EQ(h.geometry.storage, StorageFormat::kInt8);
+    EXPECT_EQ(h.geometry.dtype, s.dtype);
   }
   EXPECT_EQ(files, 2);
   KVStore reopened(o);
@@ -375,15 +375,15 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, StoreInt8,
 // version 1 entries and half-set or non-hex provenance are corrupt.
 TEST(EntryCodec, Version2HeaderCarriesProvenance) {
   detail::EntryHeader h;
-  h.dtype = DType::kFloat16;
-  h.layers = 2;
-  h.chunk = 3;
-  h.kv_heads = 1;
-  h.head_dim = 4;
-  h.payload_bytes = 2 * 2 * 3 * 1 * 4 * 2;
+  h.geometry.dtype = DType::kFloat16;
+  h.geometry.layers = 2;
+  h.geometry.chunk = 3;
+  h.geometry.kv_heads = 1;
+  h.geometry.head_dim = 4;
+  h.geometry.payload_bytes = 2 * 2 * 3 * 1 * 4 * 2;
   h.fingerprint = detail::to_fingerprint(std::string(32, 'b'));
   const std::vector<uint32_t> ids = {7, 8, 9};
-  const size_t total = detail::entry_encoded_bytes(3, h.payload_bytes);
+  const size_t total = detail::entry_encoded_bytes(3, h.geometry.payload_bytes);
   std::vector<unsigned char> buf(total, 0);
   detail::encode_entry_prefix(h, ids.data(), buf.data());
   EXPECT_FALSE(detail::decode_entry_header(buf.data(), total).provenance.converted());
@@ -411,21 +411,21 @@ TEST(EntryCodec, Version2HeaderCarriesProvenance) {
 
 TEST(StoreInt8Codec, HeaderRecordsTheStorageFormatAndRejectsUnknownOnes) {
   detail::EntryHeader h;
-  h.dtype = DType::kBFloat16;
-  h.storage = StorageFormat::kInt8;
-  h.layers = 3;
-  h.chunk = 5;
-  h.kv_heads = 2;
-  h.head_dim = 7;
-  h.payload_bytes = detail::int8_payload_bytes(3, 5, 2, 7);
+  h.geometry.dtype = DType::kBFloat16;
+  h.geometry.storage = StorageFormat::kInt8;
+  h.geometry.layers = 3;
+  h.geometry.chunk = 5;
+  h.geometry.kv_heads = 2;
+  h.geometry.head_dim = 7;
+  h.geometry.payload_bytes = detail::int8_payload_bytes(3, 5, 2, 7);
   h.fingerprint = detail::to_fingerprint(std::string(32, 'a'));
   const std::vector<uint32_t> ids = {1, 2, 3, 4, 5};
-  const size_t total = detail::entry_encoded_bytes(5, h.payload_bytes);
+  const size_t total = detail::entry_encoded_bytes(5, h.geometry.payload_bytes);
   std::vector<unsigned char> buf(total, 0);
   detail::encode_entry_prefix(h, ids.data(), buf.data());
   const detail::EntryHeader back = detail::decode_entry_header(buf.data(), total);
-  EXPECT_EQ(back.storage, StorageFormat::kInt8);
-  EXPECT_EQ(back.payload_bytes, h.payload_bytes);
+  EXPECT_EQ(back.geometry.storage, StorageFormat::kInt8);
+  EXPECT_EQ(back.geometry.payload_bytes, h.geometry.payload_bytes);
   // The native size of the same geometry does not fit an int8 header, and vice versa.
   EXPECT_THROW(detail::decode_entry_header(
                    buf.data(), detail::entry_encoded_bytes(5, 2 * 3 * 5 * 2 * 7 * 2)),
