@@ -7,6 +7,11 @@
 // its writes and by files it finds that other stores wrote), and the byte budget is kept on a
 // count shared through a mapped file (kvbridge-v1/USAGE). Thread-safe. docs/storage.md
 // describes the layout, the cross-process protocol, costs and failure handling.
+//
+// The parts, one job each: disk_layout.h (the tree, file names and ages), disk_usage.h (the
+// shared count and the stores' leases), disk_index.h (the files this store knows, in eviction
+// order); DiskTier's own files: disk_tier.cpp (opening, the LowerTier calls), disk_io.cpp
+// (reading and writing entry files), disk_eviction.cpp (the budget, removal and quarantine).
 #pragma once
 
 #include <functional>
