@@ -142,8 +142,8 @@ void BM_DiskTierRead(benchmark::State& state) {
   const std::string dir = bench_dir("disk");
   {
     StoreOptions o = e.options();
-    o.disk_dir = dir;
-    o.disk_fsync = false;
+    o.disk.dir = dir;
+    o.disk.fsync = false;
     KVStore store(o);
     if (store.put(e.spec, e.tokens, e.view) != e.chunk) {
       state.SkipWithError("put did not store the entry");
@@ -225,10 +225,10 @@ bool redis_host_port(std::string* host, int* port) {
 
 StoreOptions redis_options(const Entry& e, const std::string& prefix) {
   StoreOptions o = e.options();
-  o.redis_url = redis_url();
-  o.redis_key_prefix = prefix;
-  o.redis_command_timeout_ms = 5000;
-  o.redis_filter_refresh_ms = 3600 * 1000;  // no background refresh during the timing
+  o.redis.url = redis_url();
+  o.redis.key_prefix = prefix;
+  o.redis.command_timeout_ms = 5000;
+  o.redis.filter_refresh_ms = 3600 * 1000;  // no background refresh during the timing
   return o;
 }
 
@@ -340,10 +340,10 @@ void BM_RedisMissLookup(benchmark::State& state) {
   spec.head_dim = 8;
   StoreOptions o;
   o.chunk_tokens = 16;
-  o.redis_url = redis_url();
-  o.redis_key_prefix = "bench-filter-" + std::to_string(::getpid());
-  o.redis_filter = filter;
-  o.redis_filter_refresh_ms = 3600 * 1000;
+  o.redis.url = redis_url();
+  o.redis.key_prefix = "bench-filter-" + std::to_string(::getpid());
+  o.redis.filter = filter;
+  o.redis.filter_refresh_ms = 3600 * 1000;
   const std::vector<unsigned char> kv = bytes_for(static_cast<size_t>(spec.kv_bytes_per_token() * 64), 3);
   const KVView view = KVView::contiguous(const_cast<unsigned char*>(kv.data()), spec.dtype,
                                          Device{}, 1, 64, 1, 8);

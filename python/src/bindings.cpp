@@ -63,7 +63,7 @@ TensorView make_view(uintptr_t data, const std::string& dtype, std::vector<int64
   return v;
 }
 
-// Stats dicts: one key per row of the field tables in kv_store.h.
+// Stats dicts: one key per row of the field tables in store_stats.h.
 #define KVBRIDGE_DICT_ITEM_(type, member, metric, kind, help) d[#member] = from.member;
 
 py::dict tier_dict(const TierStats& from) {
@@ -83,6 +83,15 @@ py::dict remote_dict(const RemoteStats& from) {
   d["latency_bounds_seconds"] = bounds;
   d["latency_buckets"] = buckets;
   return d;
+}
+
+// A field of one of StoreOptions' nested groups (disk, redis) as a flat Python attribute.
+template <typename Group, typename T>
+void flat_option(py::class_<StoreOptions>& cls, const char* name, Group StoreOptions::*group,
+                 T Group::*field) {
+  cls.def_property(
+      name, [group, field](const StoreOptions& o) { return (o.*group).*field; },
+      [group, field](StoreOptions& o, const T& value) { (o.*group).*field = value; });
 }
 
 py::dict stats_dict(const StoreStats& from) {
@@ -585,8 +594,8 @@ PYBIND11_MODULE(_core, m) {
           "copy_to() into a legacy tuple of dense CPU tensors read in place; False (nothing "
           "done) for any other kv.");
 
-  py::class_<StoreOptions>(m, "StoreOptions")
-      .def(py::init<>())
+  py::class_<StoreOptions> options(m, "StoreOptions");
+  options.def(py::init<>())
       .def_readwrite("capacity_bytes", &StoreOptions::capacity_bytes)
       .def_readwrite("chunk_tokens", &StoreOptions::chunk_tokens)
       .def_readwrite("num_shards", &StoreOptions::num_shards)
@@ -600,22 +609,27 @@ PYBIND11_MODULE(_core, m) {
           "storage", [](const StoreOptions& o) { return storage_format_name(o.storage); },
           [](StoreOptions& o, const std::string& name) {
             o.storage = parse_storage_format(name);
-          })
-      .def_readwrite("disk_dir", &StoreOptions::disk_dir)
-      .def_readwrite("disk_capacity_bytes", &StoreOptions::disk_capacity_bytes)
-      .def_readwrite("disk_fsync", &StoreOptions::disk_fsync)
-      .def_readwrite("redis_url", &StoreOptions::redis_url)
-      .def_readwrite("redis_key_prefix", &StoreOptions::redis_key_prefix)
-      .def_readwrite("redis_connect_timeout_ms", &StoreOptions::redis_connect_timeout_ms)
-      .def_readwrite("redis_command_timeout_ms", &StoreOptions::redis_command_timeout_ms)
-      .def_readwrite("redis_pool_size", &StoreOptions::redis_pool_size)
-      .def_readwrite("redis_retry_min_ms", &StoreOptions::redis_retry_min_ms)
-      .def_readwrite("redis_retry_max_ms", &StoreOptions::redis_retry_max_ms)
-      .def_readwrite("redis_batch_bytes", &StoreOptions::redis_batch_bytes)
-      .def_readwrite("redis_filter", &StoreOptions::redis_filter)
-      .def_readwrite("redis_filter_bits", &StoreOptions::redis_filter_bits)
-      .def_readwrite("redis_filter_hashes", &StoreOptions::redis_filter_hashes)
-      .def_readwrite("redis_filter_refresh_ms", &StoreOptions::redis_filter_refresh_ms);
+          });
+  // The disk and Redis settings stay flat in Python (disk_dir, redis_url, ...), each one a field
+  // of StoreOptions::disk or StoreOptions::redis.
+  flat_option(options, "disk_dir", &StoreOptions::disk, &DiskOptions::dir);
+  flat_option(options, "disk_capacity_bytes", &StoreOptions::disk, &DiskOptions::capacity_bytes);
+  flat_option(options, "disk_fsync", &StoreOptions::disk, &DiskOptions::fsync);
+  flat_option(options, "redis_url", &StoreOptions::redis, &RedisOptions::url);
+  flat_option(options, "redis_key_prefix", &StoreOptions::redis, &RedisOptions::key_prefix);
+  flat_option(options, "redis_connect_timeout_ms", &StoreOptions::redis,
+              &RedisOptions::connect_timeout_ms);
+  flat_option(options, "redis_command_timeout_ms", &StoreOptions::redis,
+              &RedisOptions::command_timeout_ms);
+  flat_option(options, "redis_pool_size", &StoreOptions::redis, &RedisOptions::pool_size);
+  flat_option(options, "redis_retry_min_ms", &StoreOptions::redis, &RedisOptions::retry_min_ms);
+  flat_option(options, "redis_retry_max_ms", &StoreOptions::redis, &RedisOptions::retry_max_ms);
+  flat_option(options, "redis_batch_bytes", &StoreOptions::redis, &RedisOptions::batch_bytes);
+  flat_option(options, "redis_filter", &StoreOptions::redis, &RedisOptions::filter);
+  flat_option(options, "redis_filter_bits", &StoreOptions::redis, &RedisOptions::filter_bits);
+  flat_option(options, "redis_filter_hashes", &StoreOptions::redis, &RedisOptions::filter_hashes);
+  flat_option(options, "redis_filter_refresh_ms", &StoreOptions::redis,
+              &RedisOptions::filter_refresh_ms);
 
   m.attr("MEMORY_TIER") = static_cast<unsigned>(kMemoryTier);
   m.attr("DISK_TIER") = static_cast<unsigned>(kDiskTier);

@@ -1,5 +1,5 @@
 // The disk tier: one packed entry file per chunk (entry_codec.h) under
-//   <disk_dir>/kvbridge-v1/<fingerprint>/<first two hex digits of the key>/<key hex>.kvb
+//   <DiskOptions::dir>/kvbridge-v1/<fingerprint>/<first two hex digits of the key>/<key hex>.kvb
 // written as a temporary file beside it, fsynced (optionally) and published with a rename
 // that never replaces a file (src/core/atomic_file.h), so a reader sees a whole file or none.
 // Any number of stores, in any processes, may have one directory open: the files are the
@@ -7,6 +7,11 @@
 // its writes and by files it finds that other stores wrote), and the byte budget is kept on a
 // count shared through a mapped file (kvbridge-v1/USAGE). Thread-safe. docs/storage.md
 // describes the layout, the cross-process protocol, costs and failure handling.
+//
+// The parts, one job each: disk_layout.h (the tree, file names and ages), disk_usage.h (the
+// shared count and the stores' leases), disk_index.h (the files this store knows, in eviction
+// order); DiskTier's own files: disk_tier.cpp (opening, the LowerTier calls), disk_io.cpp
+// (reading and writing entry files), disk_eviction.cpp (the budget, removal and quarantine).
 #pragma once
 
 #include <functional>
@@ -66,8 +71,8 @@ class DiskTier final : public LowerTier {
   /// stat): for writers, whose index may still list a file another store has removed since.
   bool has_file(const Hash128& key, const Fingerprint& fp);
 
-  /// Reads and verifies key's entry into `payload` (want.payload_bytes bytes); on kHit also sets
-  /// *meta. Corrupt files are moved to the quarantine directory; never throws.
+  /// Reads and verifies key's entry into `payload` (want.geometry.payload_bytes bytes); on kHit
+  /// also sets *meta. Corrupt files are moved to the quarantine directory; never throws.
   LoadResult read_entry(const ExpectedEntry& want, char* payload, LoadedMeta* meta);
 
   /// Writes one entry: `prefix` is its encoded header + tokens, `checksum` the XXH3-128 of

@@ -62,13 +62,14 @@ void encode_entry_prefix(const EntryHeader& h, const uint32_t* tokens, unsigned 
   std::memcpy(out, kMagic, 8);
   store_le32(out + 8, kEntryFormatVersion);
   store_le32(out + 12, static_cast<uint32_t>(kEntryHeaderBytes));
-  store_le32(out + 16, static_cast<uint32_t>(h.dtype));
-  store_le32(out + 20, static_cast<uint32_t>(h.storage));
-  store_le64(out + 24, static_cast<uint64_t>(h.layers));
-  store_le64(out + 32, static_cast<uint64_t>(h.chunk));
-  store_le64(out + 40, static_cast<uint64_t>(h.kv_heads));
-  store_le64(out + 48, static_cast<uint64_t>(h.head_dim));
-  store_le64(out + 56, static_cast<uint64_t>(h.payload_bytes));
+  const ChunkGeometry& g = h.geometry;
+  store_le32(out + 16, static_cast<uint32_t>(g.dtype));
+  store_le32(out + 20, static_cast<uint32_t>(g.storage));
+  store_le64(out + 24, static_cast<uint64_t>(g.layers));
+  store_le64(out + 32, static_cast<uint64_t>(g.chunk));
+  store_le64(out + 40, static_cast<uint64_t>(g.kv_heads));
+  store_le64(out + 48, static_cast<uint64_t>(g.head_dim));
+  store_le64(out + 56, static_cast<uint64_t>(g.payload_bytes));
   store_le64(out + 64, static_cast<uint64_t>(h.created_ms));
   store_hash(out + 72, h.key);
   store_hash(out + 88, h.parent);
@@ -79,7 +80,7 @@ void encode_entry_prefix(const EntryHeader& h, const uint32_t* tokens, unsigned 
     std::memcpy(out + kEntryAdapterOffset, h.provenance.adapter.data(), 32);
   }
   unsigned char* t = out + kEntryHeaderBytes;
-  for (int64_t i = 0; i < h.chunk; ++i) store_le32(t + 4 * i, tokens[i]);
+  for (int64_t i = 0; i < g.chunk; ++i) store_le32(t + 4 * i, tokens[i]);
 }
 
 Hash128 entry_checksum(const unsigned char* prefix, size_t prefix_bytes, const void* payload,
@@ -114,9 +115,10 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
   for (size_t off = kEntryAdapterOffset + 32; off < kEntryHeaderBytes; ++off)
     KVB_CHECK_AS(Corrupt, in[off] == 0, "entry: reserved header byte " << off << " is not zero");
   EntryHeader h;
-  h.dtype = static_cast<DType>(dtype);
-  h.storage = static_cast<StorageFormat>(storage);
-  int64_t* dims[] = {&h.layers, &h.chunk, &h.kv_heads, &h.head_dim};
+  ChunkGeometry& g = h.geometry;
+  g.dtype = static_cast<DType>(dtype);
+  g.storage = static_cast<StorageFormat>(storage);
+  int64_t* dims[] = {&g.layers, &g.chunk, &g.kv_heads, &g.head_dim};
   for (int i = 0; i < 4; ++i) {
     const uint64_t v = load_le64(in + 24 + 8 * i);
     KVB_CHECK_AS(Corrupt, v >= 1 && v <= static_cast<uint64_t>(kEntryMaxDim),
@@ -124,15 +126,15 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
     *dims[i] = static_cast<int64_t>(v);
   }
   const int64_t elements =
-      stored_payload_bytes(h.storage, h.dtype, h.layers, h.chunk, h.kv_heads, h.head_dim);
+      stored_payload_bytes(g.storage, g.dtype, g.layers, g.chunk, g.kv_heads, g.head_dim);
   KVB_CHECK_AS(Corrupt, elements > 0, "entry: payload size overflows");
   const uint64_t payload = load_le64(in + 56);
   KVB_CHECK_AS(Corrupt, payload == static_cast<uint64_t>(elements),
                "entry: payload size " << payload << " does not match its geometry (" << elements
                                       << ")");
-  h.payload_bytes = static_cast<int64_t>(payload);
+  g.payload_bytes = static_cast<int64_t>(payload);
   const uint64_t expect_total =
-      kEntryHeaderBytes + 4 * static_cast<uint64_t>(h.chunk) + payload + kEntryTrailerBytes;
+      kEntryHeaderBytes + 4 * static_cast<uint64_t>(g.chunk) + payload + kEntryTrailerBytes;
   KVB_CHECK_AS(Corrupt, expect_total == total_bytes,
                "entry: " << total_bytes << " bytes, its header describes " << expect_total);
   h.created_ms = static_cast<int64_t>(load_le64(in + 64));
@@ -158,15 +160,12 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes) {
 namespace {
 
 bool header_fits(const EntryHeader& h, const ExpectedEntry& want) {
-  return h.key == want.key && h.fingerprint == want.fingerprint && h.dtype == want.dtype &&
-         h.storage == want.storage && h.layers == want.layers && h.chunk == want.chunk &&
-         h.kv_heads == want.kv_heads && h.head_dim == want.head_dim &&
-         h.payload_bytes == want.payload_bytes;
+  return h.key == want.key && h.fingerprint == want.fingerprint && h.geometry == want.geometry;
 }
 
 bool same_chunk(const EntryHeader& h, const unsigned char* tokens, const ExpectedEntry& want) {
   if (h.salt != want.salt || h.parent != want.parent) return false;
-  for (int64_t i = 0; i < want.chunk; ++i)
+  for (int64_t i = 0; i < want.geometry.chunk; ++i)
     if (load_le32(tokens + 4 * i) != want.tokens[i]) return false;
   return true;
 }
@@ -182,11 +181,11 @@ EntryCheck verify_entry(const unsigned char* prefix, size_t total_bytes, const E
     return EntryCheck::kCorrupt;
   }
   if (!header_fits(h, want)) return EntryCheck::kCorrupt;
-  const size_t prefix_bytes = entry_prefix_bytes(h.chunk);
+  const size_t prefix_bytes = entry_prefix_bytes(h.geometry.chunk);
   Xxh3Stream hash;
   hash.update(prefix, prefix_bytes);
   unsigned char trailer[kEntryTrailerBytes];
-  const size_t n = static_cast<size_t>(h.payload_bytes);
+  const size_t n = static_cast<size_t>(h.geometry.payload_bytes);
   for (size_t off = 0; off < n; off += kEntryVerifyBlock) {
     const size_t len = std::min(kEntryVerifyBlock, n - off);
     if (!read(payload + off, off, len, off + len < n ? nullptr : trailer))

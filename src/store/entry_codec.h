@@ -48,7 +48,7 @@ struct EntryProvenance {
   }
 };
 
-/// The two forms of Provenance (kv_store.h) agree: strings (empty or 32 lowercase hex digits,
+/// The two forms of Provenance (provenance.h) agree: strings (empty or 32 lowercase hex digits,
 /// both or neither; InvalidArgument otherwise) to the fixed form and back.
 EntryProvenance to_entry_provenance(const Provenance& p);
 Provenance from_entry_provenance(const EntryProvenance& p);
@@ -56,22 +56,41 @@ Provenance from_entry_provenance(const EntryProvenance& p);
 Fingerprint to_fingerprint(const std::string& hex);
 std::string fingerprint_string(const Fingerprint& fp);
 
-/// What an entry's header records.
-struct EntryHeader {
+/// Payload bytes of one entry of this geometry: native 2*L*T*H*D*dtype_size, int8 see
+/// int8_codec.h. 0 when the product overflows int64 (or a dimension is < 1).
+int64_t stored_payload_bytes(StorageFormat storage, DType dtype, int64_t layers, int64_t chunk,
+                             int64_t kv_heads, int64_t head_dim);
+
+/// The geometry of a chunk entry: how its payload is laid out and how many bytes it takes. The
+/// one description of it, embedded in each form of an entry (header, memory entry, what a lookup
+/// expects); header bytes 16..63.
+struct ChunkGeometry {
   DType dtype = DType::kFloat32;
-  StorageFormat storage = StorageFormat::kNative;  // header bytes 20..23
+  StorageFormat storage = StorageFormat::kNative;
   int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
   int64_t payload_bytes = 0;  // stored_payload_bytes(storage, dtype, layers, chunk, ...)
+
+  /// The geometry with its payload_bytes computed (0 when it overflows, see above).
+  static ChunkGeometry of(StorageFormat storage, DType dtype, int64_t layers, int64_t chunk,
+                          int64_t kv_heads, int64_t head_dim) {
+    return {dtype,    storage, layers, chunk, kv_heads, head_dim,
+            stored_payload_bytes(storage, dtype, layers, chunk, kv_heads, head_dim)};
+  }
+  bool operator==(const ChunkGeometry& o) const {
+    return dtype == o.dtype && storage == o.storage && layers == o.layers && chunk == o.chunk &&
+           kv_heads == o.kv_heads && head_dim == o.head_dim && payload_bytes == o.payload_bytes;
+  }
+  bool operator!=(const ChunkGeometry& o) const { return !(*this == o); }
+};
+
+/// What an entry's header records.
+struct EntryHeader {
+  ChunkGeometry geometry;
   int64_t created_ms = 0;
   Hash128 key, parent, salt;
   Fingerprint fingerprint{};
   EntryProvenance provenance;
 };
-
-/// Payload bytes of one entry of this geometry: native 2*L*T*H*D*dtype_size, int8 see
-/// int8_codec.h. 0 when the product overflows int64 (or a dimension is < 1).
-int64_t stored_payload_bytes(StorageFormat storage, DType dtype, int64_t layers, int64_t chunk,
-                             int64_t kv_heads, int64_t head_dim);
 
 /// Bytes of header + tokens (the part before the payload).
 inline size_t entry_prefix_bytes(int64_t chunk) {
@@ -82,7 +101,7 @@ inline size_t entry_encoded_bytes(int64_t chunk, int64_t payload_bytes) {
   return entry_prefix_bytes(chunk) + static_cast<size_t>(payload_bytes) + kEntryTrailerBytes;
 }
 
-/// Writes the header and the token ids (entry_prefix_bytes(h.chunk) bytes) to `out`.
+/// Writes the header and the token ids (entry_prefix_bytes(h.geometry.chunk) bytes) to `out`.
 void encode_entry_prefix(const EntryHeader& h, const uint32_t* tokens, unsigned char* out);
 /// XXH3-128 over prefix (header + tokens) then payload.
 Hash128 entry_checksum(const unsigned char* prefix, size_t prefix_bytes, const void* payload,
@@ -99,11 +118,8 @@ EntryHeader decode_entry_header(const unsigned char* in, size_t total_bytes);
 struct ExpectedEntry {
   Hash128 key, parent, salt;
   Fingerprint fingerprint{};
-  DType dtype = DType::kFloat32;
-  StorageFormat storage = StorageFormat::kNative;
-  int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
-  int64_t payload_bytes = 0;  // stored bytes (stored_payload_bytes)
-  const uint32_t* tokens = nullptr;  // chunk ids
+  ChunkGeometry geometry;
+  const uint32_t* tokens = nullptr;  // geometry.chunk ids
   int64_t now_ms = 0;
   int64_t ttl_ms = 0;  // 0: no expiry
 };
@@ -128,12 +144,12 @@ using EntryPayloadReader =
 
 /// The one verification of a packed entry, shared by every tier (docs/storage.md, "The packed
 /// entry"): the header's structure and that it describes exactly `total_bytes`, key,
-/// fingerprint, storage and geometry against `want`; then the payload is read through `read` in
-/// kEntryVerifyBlock blocks into `payload` (want.payload_bytes bytes, caller-owned), each hashed
-/// right after it arrives, and the checksum compared; then the TTL; then tokens, parent and salt.
-/// `prefix` holds the entry's first entry_prefix_bytes(want.chunk) bytes (header and token
-/// ids; total_bytes must be at least that). *header is set once the header decoded (from
-/// kExpired on, it is the verified header). Never throws.
+/// fingerprint and geometry against `want`; then the payload is read through `read` in
+/// kEntryVerifyBlock blocks into `payload` (want.geometry.payload_bytes bytes, caller-owned),
+/// each hashed right after it arrives, and the checksum compared; then the TTL; then tokens,
+/// parent and salt. `prefix` holds the entry's first entry_prefix_bytes(want.geometry.chunk)
+/// bytes (header and token ids; total_bytes must be at least that). *header is set once the
+/// header decoded (from kExpired on, it is the verified header). Never throws.
 EntryCheck verify_entry(const unsigned char* prefix, size_t total_bytes, const ExpectedEntry& want,
                         const EntryPayloadReader& read, char* payload, EntryHeader* header);
 

@@ -72,12 +72,6 @@ EvictionPolicy parse_eviction_policy(const std::string& name) {
 
 namespace {
 
-int64_t stored_bytes(const ModelSpec& spec, int64_t chunk, StorageFormat storage) {
-  const int64_t bytes = detail::stored_payload_bytes(storage, spec.dtype, spec.num_layers, chunk,
-                                                     spec.num_kv_heads, spec.head_dim);
-  KVB_CHECK(bytes > 0, "spec: a chunk's KV size overflows");
-  return bytes;
-}
 
 int64_t system_clock_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -109,13 +103,7 @@ Hash128 store_salt(std::string_view ns, const ModelSpec& spec, StorageFormat sto
 // The encoded header + tokens and checksum of a chunk, for the lower tiers.
 PackedEntry pack(const ChunkEntry& e, const Hash128& key) {
   EntryHeader h;
-  h.dtype = e.dtype;
-  h.storage = e.storage;
-  h.layers = e.layers;
-  h.chunk = e.chunk;
-  h.kv_heads = e.kv_heads;
-  h.head_dim = e.head_dim;
-  h.payload_bytes = static_cast<int64_t>(e.payload_bytes);
+  h.geometry = e.geometry;
   h.created_ms = e.created_ms;
   h.key = key;
   h.parent = e.parent;
@@ -123,9 +111,9 @@ PackedEntry pack(const ChunkEntry& e, const Hash128& key) {
   h.fingerprint = e.fp;
   h.provenance = e.provenance;
   PackedEntry p;
-  p.prefix.resize(detail::entry_prefix_bytes(e.chunk));
+  p.prefix.resize(detail::entry_prefix_bytes(e.geometry.chunk));
   detail::encode_entry_prefix(h, e.tokens.data(), p.prefix.data());
-  p.checksum = detail::entry_checksum(p.prefix.data(), p.prefix.size(), e.kv, e.payload_bytes);
+  p.checksum = detail::entry_checksum(p.prefix.data(), p.prefix.size(), e.kv, e.payload_size());
   return p;
 }
 
@@ -146,6 +134,15 @@ struct KVStore::Impl {
   KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STATS_ATOMIC_)
 
   bool lower_tiers() const { return !tiers.empty(); }
+
+  // The geometry of spec's chunk entries in this store.
+  detail::ChunkGeometry geometry(const ModelSpec& spec) const {
+    const auto g = detail::ChunkGeometry::of(options.storage, spec.dtype, spec.num_layers,
+                                             options.chunk_tokens, spec.num_kv_heads,
+                                             spec.head_dim);
+    KVB_CHECK(g.payload_bytes > 0, "spec: a chunk's KV size overflows");
+    return g;
+  }
 
   Call call(const ModelSpec& spec, std::string_view ns) const {
     // The fingerprint formats every field (doubles with %.17g): a few microseconds, worth
@@ -171,13 +168,7 @@ struct KVStore::Impl {
     ChunkShape shape;
     shape.salt = last.salt;
     shape.fp = last.fp;
-    shape.layers = spec.num_layers;
-    shape.chunk = options.chunk_tokens;
-    shape.kv_heads = spec.num_kv_heads;
-    shape.head_dim = spec.head_dim;
-    shape.dtype = spec.dtype;
-    shape.storage = options.storage;
-    shape.payload_bytes = stored_bytes(spec, options.chunk_tokens, options.storage);
+    shape.geometry = geometry(spec);
     return Call{spec, ns, shape, clock()};
   }
 
@@ -189,13 +180,7 @@ struct KVStore::Impl {
     w.parent = parent;
     w.salt = shape.salt;
     w.fingerprint = shape.fp;
-    w.dtype = shape.dtype;
-    w.storage = shape.storage;
-    w.layers = shape.layers;
-    w.chunk = shape.chunk;
-    w.kv_heads = shape.kv_heads;
-    w.head_dim = shape.head_dim;
-    w.payload_bytes = shape.payload_bytes;
+    w.geometry = shape.geometry;
     w.tokens = ids;
     w.now_ms = c.now_ms;
     w.ttl_ms = ttl_ms;
@@ -239,7 +224,7 @@ struct KVStore::Impl {
     size_t chunks() const override { return count; }
     const Hash128& key(size_t c) override { return keys.at(c); }
     const uint32_t* ids(size_t c) const {
-      return keys.tokens + static_cast<int64_t>(c) * call.shape.chunk;
+      return keys.tokens + static_cast<int64_t>(c) * call.shape.geometry.chunk;
     }
     ExpectedEntry expected(size_t c) override {
       return m.expected(call, keys.at(c), keys.parent(c), ids(c));
@@ -287,8 +272,8 @@ struct KVStore::Impl {
       std::shared_ptr<ChunkEntry> entry = std::move(lookup.fresh[c]);
       entry->created_ms = meta.created_ms;
       entry->provenance = meta.provenance;
-      if (meta.redis_epoch >= 0)
-        entry->redis_epoch.store(meta.redis_epoch, std::memory_order_relaxed);
+      if (meta.mark >= 0)
+        entry->tier_marks[tier.slot()].store(meta.mark, std::memory_order_relaxed);
       std::shared_ptr<const ChunkEntry> pin;
       bool inserted = false;
       if (memory.insert(key, std::move(entry), lookup.call.now_ms, &pin, &inserted) ==
@@ -318,13 +303,14 @@ KVStore::KVStore(const StoreOptions& options) {
             "eviction 'ttl' needs ttl_seconds > 0");
   KVB_CHECK(options.storage == StorageFormat::kNative || options.storage == StorageFormat::kInt8,
             "storage: unknown format " << static_cast<int>(options.storage));
-  KVB_CHECK(options.disk_dir.empty() || options.disk_capacity_bytes > 0,
-            "disk_capacity_bytes must be > 0, got " << options.disk_capacity_bytes);
-  if (!options.disk_dir.empty()) detail::check_path(options.disk_dir, "disk_dir");
+  KVB_CHECK(!options.disk.enabled() || options.disk.capacity_bytes > 0,
+            "disk_capacity_bytes must be > 0, got " << options.disk.capacity_bytes);
+  if (options.disk.enabled()) detail::check_path(options.disk.dir, "disk_dir");
   impl_ = std::make_unique<Impl>(options);
-  if (!options.disk_dir.empty())
+  if (options.disk.enabled())
     impl_->tiers.push_back(std::make_unique<DiskTier>(options, impl_->clock));
-  if (!options.redis_url.empty()) impl_->tiers.push_back(std::make_unique<RedisTier>(options));
+  if (options.redis.enabled()) impl_->tiers.push_back(std::make_unique<RedisTier>(options));
+  for (size_t t = 0; t < impl_->tiers.size(); ++t) impl_->tiers[t]->set_slot(t);
 }
 
 KVStore::~KVStore() = default;
@@ -345,7 +331,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
   m.puts.fetch_add(1, std::memory_order_relaxed);
 
   const Call call = m.call(spec, ns);
-  const int64_t chunk = call.shape.chunk;
+  const int64_t chunk = call.shape.geometry.chunk;
   const int64_t chunks = static_cast<int64_t>(tokens.size) / chunk;
   Hash128 parent = call.shape.salt;
   // This call's chunks stay pinned until it returns, so making room for chunk c never evicts
@@ -434,7 +420,7 @@ int64_t KVStore::put(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
             Batch& batch = batches[t];
             batch.writes.push_back(write);
             batch.chunk_of.push_back(c);
-            batch.bytes += write.packed->prefix.size() + source->payload_bytes;
+            batch.bytes += write.packed->prefix.size() + source->payload_size();
             batched = true;
             if (batch.bytes >= tier.batch_bytes()) flush(t);
           }
@@ -471,7 +457,7 @@ int64_t KVStore::Impl::walk(const ModelSpec& spec, TokenSpan tokens, std::string
   spec.validate();
   const detail::TokenIds ids_all(tokens);
   const Call call = m.call(spec, ns);
-  const int64_t chunk = call.shape.chunk;
+  const int64_t chunk = call.shape.geometry.chunk;
   const size_t chunks = tokens.size / static_cast<size_t>(chunk);
   Impl::Keys keys{ids_all.data(), chunk, {}, call.shape.salt};  // hashed lazily: a miss stops early
   keys.h.reserve(chunks);
@@ -683,7 +669,7 @@ void Match::copy_range_to(int64_t begin, const KVView& dst) const {
                       << ")");
   KVB_CHECK(dst.device().type == DeviceType::kCPU, "dst: must be a CPU view");
   if (n == 0) return;
-  const ChunkEntry& first = *entries_.front();
+  const detail::ChunkGeometry& first = entries_.front()->geometry;
   KVB_CHECK(dst.num_layers() == first.layers && dst.kv_heads() == first.kv_heads &&
                 dst.head_dim() == first.head_dim && dst.dtype() == first.dtype,
             "dst: geometry " << dst.num_layers() << "x" << dst.kv_heads() << "x" << dst.head_dim()

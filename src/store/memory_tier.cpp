@@ -194,15 +194,15 @@ bool MemoryTier::contains(const Hash128& key) {
 std::shared_ptr<ChunkEntry> MemoryTier::new_entry(const ChunkShape& shape, const Hash128& parent,
                                                   const uint32_t* ids, int64_t created_ms) {
   const int64_t bytes =
-      static_cast<int64_t>(allocation_size(static_cast<size_t>(shape.payload_bytes))) +
-      4 * shape.chunk + StoreStats::kEntryOverheadBytes;
+      static_cast<int64_t>(allocation_size(static_cast<size_t>(shape.geometry.payload_bytes))) +
+      4 * shape.geometry.chunk + StoreStats::kEntryOverheadBytes;
   auto entry = std::make_shared<ChunkEntry>();
   entry->accountant = accountant_;
   if (!reserve(bytes)) return nullptr;
   entry->accounted = bytes;
   entry->init(shape, parent, ids, created_ms);
   entry->kv = accountant_->take(entry->kv_size);
-  if (!entry->kv) entry->kv = allocate_payload(entry->payload_bytes);
+  if (!entry->kv) entry->kv = allocate_payload(entry->payload_size());
   return entry;
 }
 
@@ -211,7 +211,7 @@ std::shared_ptr<ChunkEntry> MemoryTier::transient_entry(const ChunkShape& shape,
                                                         const uint32_t* ids, int64_t created_ms) {
   auto entry = std::make_shared<ChunkEntry>();
   entry->init(shape, parent, ids, created_ms);
-  entry->kv = allocate_payload(entry->payload_bytes);
+  entry->kv = allocate_payload(entry->payload_size());
   return entry;
 }
 

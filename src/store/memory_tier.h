@@ -4,6 +4,7 @@
 // ascending shard order); entries are shared_ptrs, pinned while a Match holds them.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -110,10 +111,7 @@ char* allocate_payload(size_t payload);
 struct ChunkShape {
   Hash128 salt;  // h_0 of the chains
   Fingerprint fp{};
-  int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
-  DType dtype = DType::kFloat32;
-  StorageFormat storage = StorageFormat::kNative;
-  int64_t payload_bytes = 0;  // stored bytes of one chunk (stored_payload_bytes)
+  ChunkGeometry geometry;
 };
 
 // Cache-line aligned: a lookup compares salt, parent and ids (the first 104 bytes), two lines.
@@ -122,40 +120,35 @@ struct alignas(64) ChunkEntry {
   Hash128 parent;
   ChunkTokens tokens;  // chunk ids
   // Native: [layers, 2, chunk, kv_heads, head_dim], dense; int8: int8_codec.h's layout.
-  // kv_size bytes allocated.
+  // kv_size bytes allocated (geometry.payload_bytes rounded up).
   char* kv = nullptr;
   size_t kv_size = 0;
-  size_t payload_bytes = 0;  // the stored bytes (kv_size rounds it up)
-  int64_t layers = 0, chunk = 0, kv_heads = 0, head_dim = 0;
-  DType dtype = DType::kFloat32;
-  StorageFormat storage = StorageFormat::kNative;
+  ChunkGeometry geometry;
   Fingerprint fp{};
   EntryProvenance provenance;  // recorded in the lower tiers' headers too
   int64_t created_ms = 0;
   int64_t accounted = 0;
   std::shared_ptr<Accountant> accountant;
-  // RedisTier::epoch() when this entry was last known to be in Redis (written or read there);
-  // -1: never. A put re-sends the chunk while it differs from the tier's current epoch.
-  mutable std::atomic<int64_t> redis_epoch{-1};
+  // One word per lower tier (LowerTier::slot()), the tier's own record of its copy of this
+  // chunk (docs/storage.md); -1: none. The Redis tier keeps its epoch() here when it wrote or
+  // read the chunk, and a put re-sends the chunk while that differs from the current epoch.
+  mutable std::array<std::atomic<int64_t>, kMaxLowerTiers> tier_marks;
 
-  ChunkEntry() = default;
+  ChunkEntry() {
+    for (auto& mark : tier_marks) mark.store(-1, std::memory_order_relaxed);
+  }
   /// Sets everything but the payload and its accounting: the one list of an entry's fields.
   void init(const ChunkShape& shape, const Hash128& parent_key, const uint32_t* ids,
             int64_t created) {
     salt = shape.salt;
     parent = parent_key;
-    tokens.assign(ids, static_cast<size_t>(shape.chunk));
-    layers = shape.layers;
-    chunk = shape.chunk;
-    kv_heads = shape.kv_heads;
-    head_dim = shape.head_dim;
-    dtype = shape.dtype;
-    storage = shape.storage;
+    tokens.assign(ids, static_cast<size_t>(shape.geometry.chunk));
+    geometry = shape.geometry;
     fp = shape.fp;
     created_ms = created;
-    payload_bytes = static_cast<size_t>(shape.payload_bytes);
-    kv_size = allocation_size(payload_bytes);
+    kv_size = allocation_size(payload_size());
   }
+  size_t payload_size() const { return static_cast<size_t>(geometry.payload_bytes); }
   ChunkEntry(const ChunkEntry&) = delete;
   ChunkEntry& operator=(const ChunkEntry&) = delete;
   ~ChunkEntry() {
@@ -175,15 +168,18 @@ struct alignas(64) ChunkEntry {
   }
   // The one storage dispatch of put() and of Match's copies.
   void fill_from(const KVView& src) {
-    if (storage == StorageFormat::kInt8) return quantize_int8(src, kv);
-    copy_kv(src, KVView::contiguous(kv, dtype, Device{}, layers, chunk, kv_heads, head_dim));
+    if (geometry.storage == StorageFormat::kInt8) return quantize_int8(src, kv);
+    copy_kv(src, native_view());
   }
   // Tokens [begin, begin + dst.tokens()) of this chunk into dst (the entry's geometry, dtype).
   void copy_tokens_to(int64_t begin, const KVView& dst) const {
-    if (storage == StorageFormat::kInt8) return dequantize_int8(kv, chunk, begin, dst);
-    copy_kv(KVView::contiguous(kv, dtype, Device{}, layers, chunk, kv_heads, head_dim)
-                .slice_tokens(begin, dst.tokens()),
-            dst);
+    if (geometry.storage == StorageFormat::kInt8)
+      return dequantize_int8(kv, geometry.chunk, begin, dst);
+    copy_kv(native_view().slice_tokens(begin, dst.tokens()), dst);
+  }
+  KVView native_view() const {
+    const ChunkGeometry& g = geometry;
+    return KVView::contiguous(kv, g.dtype, Device{}, g.layers, g.chunk, g.kv_heads, g.head_dim);
   }
   bool same_chunk(const Hash128& s, const Hash128& p, const uint32_t* ids) const {
     return salt == s && parent == p && tokens.equals(ids);

@@ -50,13 +50,13 @@ void install_capture(redisContext* c) {
 ValueCapture::ValueCapture(const RedisValueConsumer* consume) { t_consumer = consume; }
 ValueCapture::~ValueCapture() { t_consumer = nullptr; }
 
-RedisPool::RedisPool(const StoreOptions& options, RedisAddress address, TierCounters* counters,
+RedisPool::RedisPool(const RedisOptions& options, RedisAddress address, TierCounters* counters,
                      RemoteCounters* remote)
     : options_(options),
       address_(std::move(address)),
       counters_(counters),
       remote_(remote),
-      backoff_ms_(options.redis_retry_min_ms) {}
+      backoff_ms_(options.retry_min_ms) {}
 
 RedisPool::~RedisPool() {
   for (redisContext* c : idle_) redisFree(c);
@@ -64,7 +64,7 @@ RedisPool::~RedisPool() {
 
 redisContext* RedisPool::connect() {
   redisContext* c = redisConnectWithTimeout(address_.host.c_str(), address_.port,
-                                            to_timeval(options_.redis_connect_timeout_ms));
+                                            to_timeval(options_.connect_timeout_ms));
   if (!c) return nullptr;
   if (c->err) {
     redisFree(c);
@@ -72,7 +72,7 @@ redisContext* RedisPool::connect() {
   }
   // Setup commands get the connect timeout: a server that accepts connections but does not
   // answer (stopped, overloaded) counts as unreachable.
-  redisSetTimeout(c, to_timeval(options_.redis_connect_timeout_ms));
+  redisSetTimeout(c, to_timeval(options_.connect_timeout_ms));
   auto ok = [&](Reply r, bool status_ok) {
     return r && !c->err && r->type != REDIS_REPLY_ERROR &&
            (!status_ok || r->type == REDIS_REPLY_STATUS);
@@ -100,7 +100,7 @@ redisContext* RedisPool::connect() {
     redisFree(c);
     return nullptr;
   }
-  redisSetTimeout(c, to_timeval(options_.redis_command_timeout_ms));
+  redisSetTimeout(c, to_timeval(options_.command_timeout_ms));
   redisEnableKeepAlive(c);
   install_capture(c);
   return c;
@@ -115,7 +115,7 @@ void RedisPool::mark_down() {
     stale.swap(idle_);  // probably dead too (a restarted server)
     open_ -= static_cast<int>(stale.size());
     retry_at_ns_.store(steady_ns() + int64_t{backoff_ms_} * 1000000);
-    backoff_ms_ = std::min(backoff_ms_ * 2, options_.redis_retry_max_ms);
+    backoff_ms_ = std::min(backoff_ms_ * 2, options_.retry_max_ms);
   }
   cv_.notify_all();
   for (redisContext* c : stale) redisFree(c);
@@ -142,7 +142,7 @@ redisContext* RedisPool::acquire(bool background) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++open_;
-      backoff_ms_ = options_.redis_retry_min_ms;
+      backoff_ms_ = options_.retry_min_ms;
       down_.store(false);
     }
     probing_.store(false);
@@ -151,8 +151,8 @@ redisContext* RedisPool::acquire(bool background) {
   }
   std::unique_lock<std::mutex> lock(mu_);
   const auto deadline =
-      SteadyClock::now() + std::chrono::milliseconds(options_.redis_command_timeout_ms);
-  while (idle_.empty() && open_ >= options_.redis_pool_size) {
+      SteadyClock::now() + std::chrono::milliseconds(options_.command_timeout_ms);
+  while (idle_.empty() && open_ >= options_.pool_size) {
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout || down_.load()) {
       if (!background) TierCounters::add(remote_->skipped);
       return nullptr;

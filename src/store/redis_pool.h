@@ -55,7 +55,7 @@ class ValueCapture {
 class RedisPool {
  public:
   /// The redis_* connection options of `options` (already checked). Connects lazily.
-  RedisPool(const StoreOptions& options, RedisAddress address, TierCounters* counters,
+  RedisPool(const RedisOptions& options, RedisAddress address, TierCounters* counters,
             RemoteCounters* remote);
   ~RedisPool();
   RedisPool(const RedisPool&) = delete;
@@ -81,7 +81,7 @@ class RedisPool {
   redisContext* connect();
   void mark_down();
 
-  const StoreOptions options_;
+  const RedisOptions options_;
   const RedisAddress address_;
   TierCounters* counters_;
   RemoteCounters* remote_;

@@ -99,7 +99,7 @@ LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntr
   *drop = false;
   // The value is whole in memory: a block is read by copying it (verify_entry hashes each
   // block right after the copy, while it is still in cache).
-  const size_t prefix = entry_prefix_bytes(want.chunk);
+  const size_t prefix = entry_prefix_bytes(want.geometry.chunk);
   auto copy = [&](char* dst, size_t off, size_t len, unsigned char* trailer) {
     std::memcpy(dst, data + prefix + off, len);
     if (trailer) std::memcpy(trailer, data + prefix + off + len, kEntryTrailerBytes);
@@ -115,7 +115,7 @@ LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntr
 
 struct RedisTier::Impl {
   Impl(const StoreOptions& o, TierCounters* c, RemoteCounters* r)
-      : options(o), counters(c), remote(r), pool(o, parse_redis_url(o.redis_url), c, r) {}
+      : options(o), counters(c), remote(r), pool(o.redis, parse_redis_url(o.redis.url), c, r) {}
 
   StoreOptions options;
   TierCounters* counters;
@@ -153,7 +153,7 @@ struct RedisTier::Impl {
   // Fetches the shared filter; installs it when ready, else drops the local copy (filtering
   // off) and rebuilds it when it is missing, invalid or too full.
   void refresh(bool background) {
-    if (!options.redis_filter) return;
+    if (!options.redis.filter) return;
     {
       std::lock_guard<std::mutex> lock(recent_mu);
       refreshing = true;
@@ -198,8 +198,8 @@ struct RedisTier::Impl {
       if (!command({"DEL", filter_key}, background)) return unlock();
     }
     // Create it empty and not ready (keep a half-built one: its bits are all still valid).
-    const int log2_bits = filter_log2_bits(options.redis_filter_bits);
-    std::string value = filter_header(options.redis_filter_hashes, log2_bits, false);
+    const int log2_bits = filter_log2_bits(options.redis.filter_bits);
+    std::string value = filter_header(options.redis.filter_hashes, log2_bits, false);
     value.resize(kFilterHeader + (size_t{1} << log2_bits) / 8, '\0');
     if (!command({"SET", filter_key, value, "NX"}, background)) return unlock();
     // From here on every put adds its bits; the scan adds the keys that existed before.
@@ -236,7 +236,7 @@ struct RedisTier::Impl {
   void run_worker() {
     std::unique_lock<std::mutex> lock(worker_mu);
     while (!stop) {
-      worker_cv.wait_for(lock, std::chrono::milliseconds(options.redis_filter_refresh_ms),
+      worker_cv.wait_for(lock, std::chrono::milliseconds(options.redis.filter_refresh_ms),
                          [&] { return stop; });
       if (stop) break;
       lock.unlock();
@@ -284,32 +284,32 @@ struct RedisTier::Impl {
 };
 
 RedisTier::RedisTier(const StoreOptions& options) {
-  KVB_CHECK(options.redis_connect_timeout_ms > 0 && options.redis_command_timeout_ms > 0,
+  KVB_CHECK(options.redis.connect_timeout_ms > 0 && options.redis.command_timeout_ms > 0,
             "redis timeouts must be > 0 ms");
-  KVB_CHECK(options.redis_pool_size >= 1, "redis_pool_size must be >= 1");
-  KVB_CHECK(options.redis_retry_min_ms > 0 &&
-                options.redis_retry_max_ms >= options.redis_retry_min_ms,
+  KVB_CHECK(options.redis.pool_size >= 1, "redis_pool_size must be >= 1");
+  KVB_CHECK(options.redis.retry_min_ms > 0 &&
+                options.redis.retry_max_ms >= options.redis.retry_min_ms,
             "redis retry: need 0 < redis_retry_min_ms <= redis_retry_max_ms");
-  KVB_CHECK(options.redis_batch_bytes > 0, "redis_batch_bytes must be > 0");
-  KVB_CHECK(!options.redis_key_prefix.empty(), "redis_key_prefix must not be empty");
-  KVB_CHECK(options.redis_filter_bits >= (int64_t{1} << kFilterMinLog2) &&
-                options.redis_filter_bits <= (int64_t{1} << kFilterMaxLog2) &&
-                (options.redis_filter_bits & (options.redis_filter_bits - 1)) == 0,
+  KVB_CHECK(options.redis.batch_bytes > 0, "redis_batch_bytes must be > 0");
+  KVB_CHECK(!options.redis.key_prefix.empty(), "redis_key_prefix must not be empty");
+  KVB_CHECK(options.redis.filter_bits >= (int64_t{1} << kFilterMinLog2) &&
+                options.redis.filter_bits <= (int64_t{1} << kFilterMaxLog2) &&
+                (options.redis.filter_bits & (options.redis.filter_bits - 1)) == 0,
             "redis_filter_bits must be a power of two in [2^10, 2^31], got "
-                << options.redis_filter_bits);
-  KVB_CHECK(options.redis_filter_hashes >= 1 && options.redis_filter_hashes <= 16,
-            "redis_filter_hashes must be in [1, 16], got " << options.redis_filter_hashes);
-  KVB_CHECK(options.redis_filter_refresh_ms > 0, "redis_filter_refresh_ms must be > 0");
+                << options.redis.filter_bits);
+  KVB_CHECK(options.redis.filter_hashes >= 1 && options.redis.filter_hashes <= 16,
+            "redis_filter_hashes must be in [1, 16], got " << options.redis.filter_hashes);
+  KVB_CHECK(options.redis.filter_refresh_ms > 0, "redis_filter_refresh_ms must be > 0");
   impl_ = std::make_unique<Impl>(options, &counters_, &remote_);
   Impl& m = *impl_;
   std::string p;
-  percent_encode_into(&p, options.redis_key_prefix);
+  percent_encode_into(&p, options.redis.key_prefix);
   m.key_prefix = p + ":v1:";
   m.filter_key = m.key_prefix + "filter";
   m.lock_key = m.key_prefix + "filter-lock";
   // First contact in this thread (bounded by the timeouts), so the filter is in use at once.
   m.refresh(/*background=*/true);
-  if (!m.current_filter() && options.redis_filter && !m.pool.down()) m.refresh(true);
+  if (!m.current_filter() && options.redis.filter && !m.pool.down()) m.refresh(true);
   m.worker = std::thread([this] { impl_->run_worker(); });
 }
 
@@ -459,11 +459,11 @@ void RedisTier::fill(StoreStats* s) const {
 }
 
 size_t RedisTier::batch_bytes() const {
-  return static_cast<size_t>(impl_->options.redis_batch_bytes);
+  return static_cast<size_t>(impl_->options.redis.batch_bytes);
 }
 
 bool RedisTier::wants(const Hash128&, const Fingerprint&, const ChunkEntry* pinned) {
-  return !pinned || pinned->redis_epoch.load(std::memory_order_relaxed) != epoch();
+  return !pinned || pinned->tier_marks[slot()].load(std::memory_order_relaxed) != epoch();
 }
 
 void RedisTier::store(std::string_view ns, const Fingerprint& fp,
@@ -472,14 +472,15 @@ void RedisTier::store(std::string_view ns, const Fingerprint& fp,
   writes.reserve(batch.size());
   for (const ChunkWrite& w : batch) {
     writes.push_back({key_for(ns, fp, w.key), w.key, w.packed->prefix.data(),
-                      w.packed->prefix.size(), w.entry->kv, w.entry->payload_bytes,
+                      w.packed->prefix.size(), w.entry->kv, w.entry->payload_size(),
                       w.packed->checksum});
   }
   const int64_t before = epoch();  // read first: a failure meanwhile re-sends
   const bool ok = write_values(writes);
   stored->assign(batch.size(), ok);
   if (ok)
-    for (const ChunkWrite& w : batch) w.entry->redis_epoch.store(before, std::memory_order_relaxed);
+    for (const ChunkWrite& w : batch)
+      w.entry->tier_marks[slot()].store(before, std::memory_order_relaxed);
 }
 
 int64_t RedisTier::erase(std::string_view ns, const Fingerprint& fp,
@@ -518,9 +519,10 @@ bool RedisTier::fetch_window(ChainLookup& chain, size_t c, Window* w) {
   }
   TierCounters::add(rc.filter_passes);
   const ExpectedEntry first = chain.expected(c);
-  const size_t value_bytes = entry_encoded_bytes(first.chunk, first.payload_bytes);
+  const size_t value_bytes =
+      entry_encoded_bytes(first.geometry.chunk, first.geometry.payload_bytes);
   const size_t limit = std::max<size_t>(
-      1, std::min<size_t>(1024, static_cast<size_t>(impl_->options.redis_batch_bytes) /
+      1, std::min<size_t>(1024, static_cast<size_t>(impl_->options.redis.batch_bytes) /
                                     value_bytes));
   w->begin = c;
   w->epoch = epoch();
@@ -577,7 +579,7 @@ LoadResult RedisTier::load(ChainLookup& chain, size_t c, std::unique_ptr<LookupS
   if (slot.no_room) return LoadResult::kNoRoom;
   if (slot.result != LoadResult::kHit) return slot.result;
   *meta = slot.meta;
-  meta->redis_epoch = w.epoch;
+  meta->mark = w.epoch;
   return LoadResult::kHit;
 }
 

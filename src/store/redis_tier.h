@@ -45,7 +45,8 @@ LoadResult load_value(const unsigned char* data, size_t size, const ExpectedEntr
 class RedisTier final : public LowerTier {
  public:
   /// Throws InvalidArgument for a malformed URL. Never connects in the constructor's thread for
-  /// longer than redis_connect_timeout_ms; an unreachable server leaves the tier marked down.
+  /// longer than RedisOptions::connect_timeout_ms; an unreachable server leaves the tier marked
+  /// down.
   explicit RedisTier(const StoreOptions& options);
   ~RedisTier() override;
   RedisTier(const RedisTier&) = delete;
@@ -61,17 +62,18 @@ class RedisTier final : public LowerTier {
   /// False: telling would take a round trip.
   bool contains(const Hash128&, const Fingerprint&) override { return false; }
   /// Fetches chunk c together with the following chunks that no tier above holds and the
-  /// filter lets through, up to redis_batch_bytes, in one MGET (the window is the lookup's
-  /// state); each value is verified into chain.payload(k) while hiredis parses it.
+  /// filter lets through, up to RedisOptions::batch_bytes, in one MGET (the window is the
+  /// lookup's state); each value is verified into chain.payload(k) while hiredis parses it.
   LoadResult load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>& state,
                   LoadedMeta* meta) override;
   /// A put sends every chunk the server is not known to hold: new ones, and ones put or read
-  /// while it was down or before it last failed (pinned->redis_epoch != epoch()), so an
+  /// while it was down or before it last failed (its mark in the memory entry != epoch()), so an
   /// outage is repaired by the next put.
   bool wants(const Hash128& key, const Fingerprint& fp, const ChunkEntry* pinned) override;
-  /// redis_batch_bytes: a put's writes go in pipelines of about that many bytes.
+  /// RedisOptions::batch_bytes: a put's writes go in pipelines of about that many bytes.
   size_t batch_bytes() const override;
-  /// write_values() of the batch; a success records epoch() (read before) in each entry.
+  /// write_values() of the batch; a success records epoch() (read before) as each entry's mark
+  /// (ChunkEntry::tier_marks).
   void store(std::string_view ns, const Fingerprint& fp, const std::vector<ChunkWrite>& batch,
              std::vector<char>* stored) override;
   /// UNLINKs the keys' values (one round trip); returns 0 (the server's count is not asked for).

@@ -1,4 +1,4 @@
-// StoreOptions::redis_url: "redis://[[user]:password@]host[:port][/db]".
+// RedisOptions::url: "redis://[[user]:password@]host[:port][/db]".
 #pragma once
 
 #include <string>

@@ -27,12 +27,16 @@ struct TierCounters {
   void fill(TierStats* s) const { KVBRIDGE_TIER_COUNTERS(KVBRIDGE_STATS_LOAD_) }
 };
 
+/// The most lower tiers a store may have (each keeps a word in every memory entry): the disk and
+/// Redis tiers, and room for two more.
+constexpr size_t kMaxLowerTiers = 4;
+
 /// What a verified hit reports besides its payload.
 struct LoadedMeta {
   int64_t created_ms = 0;
   EntryProvenance provenance;
-  /// The Redis tier's epoch when it read the value (ChunkEntry::redis_epoch); -1 elsewhere.
-  int64_t redis_epoch = -1;
+  /// The loading tier's mark for the new memory entry (ChunkEntry::tier_marks); -1: none.
+  int64_t mark = -1;
   static LoadedMeta of(const EntryHeader& h) { return {h.created_ms, h.provenance, -1}; }
 };
 
@@ -73,8 +77,9 @@ class ChainLookup {
   /// Whether memory or a tier the store walks before `tier` holds chunk c (a tier reading ahead
   /// stops there).
   virtual bool held_above(size_t c, const LowerTier& tier) = 0;
-  /// Chunk c's payload buffer (expected(c).payload_bytes, the same one until discard(c)), which
-  /// becomes its memory entry when a tier's load() of c is a hit; null when memory has no room.
+  /// Chunk c's payload buffer (expected(c).geometry.payload_bytes, the same one until
+  /// discard(c)), which becomes its memory entry when a tier's load() of c is a hit; null when
+  /// memory has no room.
   virtual char* payload(size_t c) = 0;
   /// Frees chunk c's buffer (what was read into it is not the entry).
   virtual void discard(size_t c) = 0;
@@ -95,6 +100,11 @@ struct PackedEntry {
 class LowerTier {
  public:
   virtual ~LowerTier() = default;
+
+  /// The tier's index in the store's walk, given when the store adds it (< kMaxLowerTiers): its
+  /// word in each memory entry is ChunkEntry::tier_marks[slot()].
+  size_t slot() const noexcept { return slot_; }
+  void set_slot(size_t slot) noexcept { slot_ = slot; }
 
   /// The tier's name (its Prometheus `tier` label) and its bit in erase()'s and clear()'s masks.
   virtual const char* name() const = 0;
@@ -144,6 +154,9 @@ class LowerTier {
                                   InvalidateResult* r) = 0;
   /// Removes every entry; returns how many it removed.
   virtual int64_t clear() = 0;
+
+ private:
+  size_t slot_ = 0;
 };
 
 }  // namespace kvbridge::detail

@@ -38,8 +38,8 @@ StoreOptions redis_options(const std::string& url, const std::string& prefix) {
   StoreOptions o;
   o.chunk_tokens = testing::kHelperChunk;
   o.capacity_bytes = int64_t{64} << 20;
-  o.redis_url = url;
-  o.redis_key_prefix = prefix;
+  o.redis.url = url;
+  o.redis.key_prefix = prefix;
   return o;
 }
 
@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
   try {
     if (mode == "disk-writer" && argc == 4) {
       StoreOptions o = testing::helper_disk_options(argv[2]);
-      o.disk_fsync = true;
+      o.disk.fsync = true;
       KVStore store(o);
       for (uint64_t seed = std::strtoull(argv[3], nullptr, 10);; ++seed) {
         const auto tokens = testing::helper_tokens(seed);

@@ -120,7 +120,7 @@ TEST(KVStore, OptionsHaveUpperBoundsAndPathsNoNul) {
   o.ttl_seconds = kMaxTtlSeconds + 1;  // ttl_seconds * 1000 would overflow near 2^63
   EXPECT_THROW(KVStore{o}, InvalidArgument);
   o = options(1 << 20);
-  o.disk_dir = std::string("/tmp/a") + std::string(1, '\0') + "b";
+  o.disk.dir = std::string("/tmp/a") + std::string(1, '\0') + "b";
   EXPECT_THROW(KVStore{o}, InvalidArgument);
 }
 

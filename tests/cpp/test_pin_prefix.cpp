@@ -38,11 +38,11 @@ TEST_P(PinPrefix, MatchesPerChunkProbesUnderRandomOperations) {
   options.ttl_seconds = 3;
   ChunkShape shape;
   shape.salt = Hash128{0x1234567890abcdefULL, 0x0fedcba987654321ULL};
-  shape.layers = 1;
-  shape.chunk = chunk;
-  shape.kv_heads = 1;
-  shape.head_dim = 4;
-  shape.payload_bytes = 64;
+  shape.geometry.layers = 1;
+  shape.geometry.chunk = chunk;
+  shape.geometry.kv_heads = 1;
+  shape.geometry.head_dim = 4;
+  shape.geometry.payload_bytes = 64;
   const int64_t per_entry = static_cast<int64_t>(allocation_size(64)) + 4 * chunk +
                             StoreStats::kEntryOverheadBytes;
   options.capacity_bytes = 60 * per_entry;  // room for about a third of what is put

@@ -28,8 +28,8 @@ StoreOptions disk_options(const std::string& dir, int64_t capacity = 1 << 24) {
   o.capacity_bytes = capacity;
   o.chunk_tokens = kChunk;
   o.num_shards = 4;
-  o.disk_dir = dir;
-  o.disk_fsync = false;  // the tests kill no machines; one test below keeps fsync on
+  o.disk.dir = dir;
+  o.disk.fsync = false;  // the tests kill no machines; one test below keeps fsync on
   return o;
 }
 
@@ -212,7 +212,7 @@ TEST(StoreDisk, BudgetNeverExceededAndEvictsLeastRecentlyUsed) {
   TempDir dir;
   const ModelSpec spec = testing::small_spec(DType::kFloat32, 4, 4, 16);  // 8 KiB per chunk
   StoreOptions o = disk_options(dir.path);
-  o.disk_capacity_bytes = 5 * block_bytes(spec) + 100;
+  o.disk.capacity_bytes = 5 * block_bytes(spec) + 100;
   std::vector<std::vector<int64_t>> prompts;
   {
     KVStore store(o);
@@ -220,7 +220,7 @@ TEST(StoreDisk, BudgetNeverExceededAndEvictsLeastRecentlyUsed) {
       prompts.push_back(testing::random_tokens(kChunk, 100 + i));
       DenseKV kv(spec, kChunk, i);
       store.put(spec, prompts.back(), kv.view);
-      ASSERT_LE(store.stats().disk.bytes_used, o.disk_capacity_bytes);
+      ASSERT_LE(store.stats().disk.bytes_used, o.disk.capacity_bytes);
     }
     const StoreStats st = store.stats();
     EXPECT_EQ(st.disk.entries, 5);
@@ -238,7 +238,7 @@ TEST(StoreDisk, LookupRefreshesDiskRecency) {
   TempDir dir;
   const ModelSpec spec = testing::small_spec(DType::kFloat32, 4, 4, 16);
   StoreOptions o = disk_options(dir.path);
-  o.disk_capacity_bytes = 3 * block_bytes(spec);
+  o.disk.capacity_bytes = 3 * block_bytes(spec);
   KVStore store(o);
   std::vector<std::vector<int64_t>> p;
   for (uint64_t i = 0; i < 4; ++i) p.push_back(testing::random_tokens(kChunk, 300 + i));
@@ -258,7 +258,7 @@ TEST(StoreDisk, EntryLargerThanTheDiskBudgetIsSkippedNotFatal) {
   TempDir dir;
   const ModelSpec spec = testing::small_spec(DType::kFloat32, 4, 4, 16);
   StoreOptions o = disk_options(dir.path);
-  o.disk_capacity_bytes = 4096;
+  o.disk.capacity_bytes = 4096;
   KVStore store(o);
   const auto tokens = testing::random_tokens(2 * kChunk, 1);
   DenseKV kv(spec, 2 * kChunk, 1);
@@ -337,7 +337,7 @@ TEST(StoreDisk, TwoLiveStoresShareOneDirectory) {
   StoreOptions bad = disk_options("/proc/kvbridge-cannot-create");
   EXPECT_THROW(KVStore s(bad), Unavailable);
   bad = disk_options(dir.path);
-  bad.disk_capacity_bytes = 0;
+  bad.disk.capacity_bytes = 0;
   EXPECT_THROW(KVStore s(bad), InvalidArgument);
 }
 
@@ -374,7 +374,7 @@ TEST(StoreDisk, ReopenWithASmallerBudgetEvictsOldestFirst) {
       store.put(spec, p.back(), kv.view);
     }
   }
-  o.disk_capacity_bytes = 2 * block_bytes(spec);
+  o.disk.capacity_bytes = 2 * block_bytes(spec);
   KVStore store(o);
   EXPECT_EQ(store.stats().disk.entries, 2);
   EXPECT_EQ(store.match(spec, p[5]).tokens(), kChunk);
@@ -506,7 +506,7 @@ TEST(StoreDisk, FsyncedWritesRoundTrip) {
   TempDir dir;
   const ModelSpec spec = testing::small_spec();
   StoreOptions o = disk_options(dir.path);
-  o.disk_fsync = true;
+  o.disk.fsync = true;
   const auto tokens = testing::random_tokens(2 * kChunk, 19);
   DenseKV kv(spec, 2 * kChunk, 19);
   { KVStore(o).put(spec, tokens, kv.view); }

@@ -197,8 +197,8 @@ TEST_P(StoreInt8, MemoryAndByteCountersUseTheInt8Size) {
   StridedKV kv(s, kTokens, 22);
   StoreOptions o = options();
   TempDir dir;
-  o.disk_dir = dir.path;
-  o.disk_fsync = false;
+  o.disk.dir = dir.path;
+  o.disk.fsync = false;
   KVStore store(o);
   ASSERT_EQ(store.put(s, tokens, kv.view()), 2 * kChunk);
   const int64_t payload = 2 * 3 * kChunk * 3 * 18 + 4 * 3 * 3 * (18 + kChunk);
@@ -211,8 +211,8 @@ TEST_P(StoreInt8, MemoryAndByteCountersUseTheInt8Size) {
 }
 
 // A typical geometry: bfloat16, 64-dim heads, 256-token chunks. The accounted bytes of an int8
-// entry are at most 55% of the bfloat16 entry's (formula in kv_store.h: 1/2 + 1/T + 1/D of the
-// payload, plus the same 4*T + 128 bytes of token ids and overhead).
+// entry are at most 55% of the bfloat16 entry's (formula in store_options.h: 1/2 + 1/T + 1/D of
+// the payload, plus the same 4*T + 128 bytes of token ids and overhead).
 TEST(StoreInt8Memory, AccountedBytesAreAtMost55PercentOfBFloat16) {
   const ModelSpec s = testing::small_spec(DType::kBFloat16, 4, 2, 64);
   const int64_t chunk = 256;
@@ -246,8 +246,8 @@ TEST_P(StoreInt8, DiskTierKeepsTheInt8PayloadForAStoreOpenedLater) {
   StridedKV kv(s, kTokens, 42);
   TempDir dir;
   StoreOptions o = options();
-  o.disk_dir = dir.path;
-  o.disk_fsync = false;
+  o.disk.dir = dir.path;
+  o.disk.fsync = false;
   testing::DenseKV first(s, 2 * kChunk, 1), second(s, 2 * kChunk, 2);
   {
     KVStore store(o);
@@ -265,8 +265,8 @@ TEST_P(StoreInt8, DiskTierKeepsTheInt8PayloadForAStoreOpenedLater) {
     ASSERT_EQ(std::fread(bytes.data(), 1, bytes.size(), f), bytes.size());
     std::fclose(f);
     const detail::EntryHeader h = detail::decode_entry_header(bytes.data(), bytes.size());
-    EXPECT_EQ(h.storage, StorageFormat::kInt8);
-    EXPECT_EQ(h.dtype, s.dtype);
+    EXPECT_EQ(h.geometry.storage, StorageFormat::kInt8);
+    EXPECT_EQ(h.geometry.dtype, s.dtype);
   }
   EXPECT_EQ(files, 2);
   KVStore reopened(o);
@@ -285,8 +285,8 @@ TEST_P(StoreInt8, NativeAndInt8StoresOnOneDirectoryNeverShareEntries) {
   TempDir dir;
   StoreOptions native = options();
   native.storage = StorageFormat::kNative;
-  native.disk_dir = dir.path;
-  native.disk_fsync = false;
+  native.disk.dir = dir.path;
+  native.disk.fsync = false;
   {
     KVStore store(native);
     ASSERT_EQ(store.put(s, tokens, kv.view()), 2 * kChunk);
@@ -319,8 +319,8 @@ TEST_P(StoreInt8, RedisTierCarriesTheInt8Payload) {
   const auto tokens = testing::random_tokens(kTokens, 61);
   StridedKV kv(s, kTokens, 62);
   StoreOptions o = options();
-  o.redis_url = server.url();
-  o.redis_filter = false;
+  o.redis.url = server.url();
+  o.redis.filter = false;
   testing::DenseKV first(s, 2 * kChunk, 1), second(s, 2 * kChunk, 2);
   KVStore a(o);
   ASSERT_EQ(a.put(s, tokens, kv.view()), 2 * kChunk);
@@ -375,15 +375,15 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, StoreInt8,
 // version 1 entries and half-set or non-hex provenance are corrupt.
 TEST(EntryCodec, Version2HeaderCarriesProvenance) {
   detail::EntryHeader h;
-  h.dtype = DType::kFloat16;
-  h.layers = 2;
-  h.chunk = 3;
-  h.kv_heads = 1;
-  h.head_dim = 4;
-  h.payload_bytes = 2 * 2 * 3 * 1 * 4 * 2;
+  h.geometry.dtype = DType::kFloat16;
+  h.geometry.layers = 2;
+  h.geometry.chunk = 3;
+  h.geometry.kv_heads = 1;
+  h.geometry.head_dim = 4;
+  h.geometry.payload_bytes = 2 * 2 * 3 * 1 * 4 * 2;
   h.fingerprint = detail::to_fingerprint(std::string(32, 'b'));
   const std::vector<uint32_t> ids = {7, 8, 9};
-  const size_t total = detail::entry_encoded_bytes(3, h.payload_bytes);
+  const size_t total = detail::entry_encoded_bytes(3, h.geometry.payload_bytes);
   std::vector<unsigned char> buf(total, 0);
   detail::encode_entry_prefix(h, ids.data(), buf.data());
   EXPECT_FALSE(detail::decode_entry_header(buf.data(), total).provenance.converted());
@@ -411,21 +411,21 @@ TEST(EntryCodec, Version2HeaderCarriesProvenance) {
 
 TEST(StoreInt8Codec, HeaderRecordsTheStorageFormatAndRejectsUnknownOnes) {
   detail::EntryHeader h;
-  h.dtype = DType::kBFloat16;
-  h.storage = StorageFormat::kInt8;
-  h.layers = 3;
-  h.chunk = 5;
-  h.kv_heads = 2;
-  h.head_dim = 7;
-  h.payload_bytes = detail::int8_payload_bytes(3, 5, 2, 7);
+  h.geometry.dtype = DType::kBFloat16;
+  h.geometry.storage = StorageFormat::kInt8;
+  h.geometry.layers = 3;
+  h.geometry.chunk = 5;
+  h.geometry.kv_heads = 2;
+  h.geometry.head_dim = 7;
+  h.geometry.payload_bytes = detail::int8_payload_bytes(3, 5, 2, 7);
   h.fingerprint = detail::to_fingerprint(std::string(32, 'a'));
   const std::vector<uint32_t> ids = {1, 2, 3, 4, 5};
-  const size_t total = detail::entry_encoded_bytes(5, h.payload_bytes);
+  const size_t total = detail::entry_encoded_bytes(5, h.geometry.payload_bytes);
   std::vector<unsigned char> buf(total, 0);
   detail::encode_entry_prefix(h, ids.data(), buf.data());
   const detail::EntryHeader back = detail::decode_entry_header(buf.data(), total);
-  EXPECT_EQ(back.storage, StorageFormat::kInt8);
-  EXPECT_EQ(back.payload_bytes, h.payload_bytes);
+  EXPECT_EQ(back.geometry.storage, StorageFormat::kInt8);
+  EXPECT_EQ(back.geometry.payload_bytes, h.geometry.payload_bytes);
   // The native size of the same geometry does not fit an int8 header, and vice versa.
   EXPECT_THROW(detail::decode_entry_header(
                    buf.data(), detail::entry_encoded_bytes(5, 2 * 3 * 5 * 2 * 7 * 2)),

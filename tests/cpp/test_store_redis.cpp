@@ -40,12 +40,12 @@ class StoreRedis : public ::testing::Test {
     o.capacity_bytes = 1 << 24;
     o.chunk_tokens = kChunk;
     o.num_shards = 4;
-    o.redis_url = server.url();
-    o.redis_filter = filter;
-    o.redis_filter_refresh_ms = static_cast<int>(kNever);
-    o.redis_command_timeout_ms = 300;
-    o.redis_retry_min_ms = 20;
-    o.redis_retry_max_ms = 200;
+    o.redis.url = server.url();
+    o.redis.filter = filter;
+    o.redis.filter_refresh_ms = static_cast<int>(kNever);
+    o.redis.command_timeout_ms = 300;
+    o.redis.retry_min_ms = 20;
+    o.redis.retry_max_ms = 200;
     return o;
   }
 
@@ -86,7 +86,7 @@ TEST_F(StoreRedis, BatchBytesBoundsEachRoundTrip) {
   DenseKV kv(spec, 6 * kChunk, 2);
   KVStore(options()).put(spec, tokens, kv.view);
   StoreOptions o = options();
-  o.redis_batch_bytes = 2 * (224 + 4 * kChunk + spec.kv_bytes_per_token() * kChunk + 16);
+  o.redis.batch_bytes = 2 * (224 + 4 * kChunk + spec.kv_bytes_per_token() * kChunk + 16);
   KVStore reader(o);
   const int64_t trips = reader.stats().remote.round_trips;
   expect_exact(reader.match(spec, tokens), kv);
@@ -126,7 +126,7 @@ TEST_F(StoreRedis, AnotherProcessLoadsWhatThisOneSaved) {
 
 TEST_F(StoreRedis, KeySchemaValueHeaderAndExpiry) {
   StoreOptions o = options();
-  o.redis_key_prefix = "app*1";
+  o.redis.key_prefix = "app*1";
   o.ttl_seconds = 120;
   KVStore store(o);
   const auto tokens = testing::random_tokens(kChunk, 3);
@@ -208,7 +208,7 @@ TEST_F(StoreRedis, FilterAnswersSureMissesWithoutARoundTrip) {
 
 TEST_F(StoreRedis, AnotherStoresPutBecomesVisibleWithinTheRefreshInterval) {
   StoreOptions o = options();
-  o.redis_filter_refresh_ms = 50;
+  o.redis.filter_refresh_ms = 50;
   KVStore writer(o), reader(o);
   const auto tokens = testing::random_tokens(2 * kChunk, 7);
   DenseKV kv(spec, 2 * kChunk, 7);
@@ -245,7 +245,7 @@ TEST_F(StoreRedis, ARebuildRacingPutsKeepsEveryEntryReachable) {
   // Half-built filters (ready flag 0) switch filtering off; stores keep putting while one
   // rebuilds; afterwards every entry must pass the filter.
   StoreOptions o = options();
-  o.redis_filter_refresh_ms = 20;
+  o.redis.filter_refresh_ms = 20;
   std::vector<std::vector<int64_t>> prompts;
   for (uint64_t i = 0; i < 40; ++i) prompts.push_back(testing::random_tokens(kChunk, 500 + i));
   DenseKV kv(spec, kChunk, 1);
@@ -270,9 +270,9 @@ TEST_F(StoreRedis, TenantProbesTakeTheSameMissPathAsAnyMiss) {
   testing::TempDir dir;
   for (bool filter : {true, false}) {
     StoreOptions o = options(filter);
-    o.disk_dir = dir.path + (filter ? "/f" : "/n");
-    o.disk_fsync = false;
-    o.redis_key_prefix = filter ? "pf" : "pn";
+    o.disk.dir = dir.path + (filter ? "/f" : "/n");
+    o.disk.fsync = false;
+    o.redis.key_prefix = filter ? "pf" : "pn";
     KVStore store(o);
     const auto tokens = testing::random_tokens(3 * kChunk, 10);
     DenseKV kv(spec, 3 * kChunk, 10);
@@ -309,7 +309,7 @@ TEST_F(StoreRedis, EveryKeyPrefixReachesInvalidateClearAndTheFilterRebuild) {
   for (const std::string& prefix : prefixes) {
     SCOPED_TRACE(prefix);
     StoreOptions o = options();
-    o.redis_key_prefix = prefix;
+    o.redis.key_prefix = prefix;
     {
       KVStore store(o);
       ASSERT_EQ(store.put(spec, tokens, kv.view), 2 * kChunk);
@@ -382,8 +382,8 @@ TEST_F(StoreRedis, InvalidateAndEraseReachRedis) {
 TEST_F(StoreRedis, ServerKilledThenBackWhileMemoryAndDiskKeepServing) {
   testing::TempDir dir;
   StoreOptions o = options(/*filter=*/false);
-  o.disk_dir = dir.path;
-  o.disk_fsync = false;
+  o.disk.dir = dir.path;
+  o.disk.fsync = false;
   KVStore store(o);
   const auto a = testing::random_tokens(2 * kChunk, 20), b = testing::random_tokens(2 * kChunk, 21);
   DenseKV kv(spec, 2 * kChunk, 20);
@@ -455,10 +455,10 @@ TEST_F(StoreRedis, APutAfterAnOutageRepairsTheChunksRedisMissed) {
 
 TEST_F(StoreRedis, HungServerCostsOneTimeoutThenIsSkipped) {
   StoreOptions o = options(/*filter=*/false);
-  o.redis_command_timeout_ms = 100;
-  o.redis_connect_timeout_ms = 100;
-  o.redis_retry_min_ms = 10000;  // no retry during the test's lookups
-  o.redis_retry_max_ms = 10000;
+  o.redis.command_timeout_ms = 100;
+  o.redis.connect_timeout_ms = 100;
+  o.redis.retry_min_ms = 10000;  // no retry during the test's lookups
+  o.redis.retry_max_ms = 10000;
   KVStore store(o);
   const auto a = testing::random_tokens(kChunk, 30);
   DenseKV kv(spec, kChunk, 30);
@@ -477,7 +477,7 @@ TEST_F(StoreRedis, HungServerCostsOneTimeoutThenIsSkipped) {
 
 TEST_F(StoreRedis, UnreachableAtOpenAndBadUrls) {
   StoreOptions o = options();
-  o.redis_url = "redis://127.0.0.1:" + std::to_string(testing::free_port());
+  o.redis.url = "redis://127.0.0.1:" + std::to_string(testing::free_port());
   KVStore store(o);  // no throw: marked down, retried later
   const auto a = testing::random_tokens(kChunk, 40);
   DenseKV kv(spec, kChunk, 40);
@@ -487,11 +487,11 @@ TEST_F(StoreRedis, UnreachableAtOpenAndBadUrls) {
   for (const char* bad : {"http://x", "redis://h:0", "redis://h:99999", "redis://h:12/x",
                           "redis://nocolon@h"}) {
     StoreOptions b = options();
-    b.redis_url = bad;
+    b.redis.url = bad;
     EXPECT_THROW(KVStore s(b), InvalidArgument) << bad;
   }
   StoreOptions b = options();
-  b.redis_filter_bits = 1000;
+  b.redis.filter_bits = 1000;
   EXPECT_THROW(KVStore s(b), InvalidArgument);
 }
 

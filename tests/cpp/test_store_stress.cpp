@@ -99,12 +99,12 @@ void all_tiers_stress(StorageFormat storage) {
       spec.kv_bytes_per_token() * kChunk + 4 * kChunk + StoreStats::kEntryOverheadBytes;
   o.capacity_bytes = 24 * entry;
   o.storage = storage;
-  o.disk_dir = dir.path;
-  o.disk_fsync = false;
-  o.disk_capacity_bytes = 60 * 4096;  // about half the working set on disk
+  o.disk.dir = dir.path;
+  o.disk.fsync = false;
+  o.disk.capacity_bytes = 60 * 4096;  // about half the working set on disk
   if (with_redis) {
-    o.redis_url = redis.url();
-    o.redis_filter_refresh_ms = 20;  // refreshes race with lookups too
+    o.redis.url = redis.url();
+    o.redis.filter_refresh_ms = 20;  // refreshes race with lookups too
   }
   KVStore store(o);
 
@@ -171,7 +171,7 @@ void all_tiers_stress(StorageFormat storage) {
   EXPECT_GT(st.evictions, 0);
   EXPECT_GT(st.disk.evictions, 0);
   EXPECT_LE(st.peak_bytes, o.capacity_bytes);
-  EXPECT_LE(st.disk.bytes_used, o.disk_capacity_bytes);
+  EXPECT_LE(st.disk.bytes_used, o.disk.capacity_bytes);
   EXPECT_EQ(st.disk.corrupt + st.redis.corrupt, 0);
   if (with_redis) {
     EXPECT_GT(st.redis.hit_chunks, 0);
@@ -274,7 +274,7 @@ TEST(KVStoreStress, TwoStoresOfOneDirectoryShareTheBudget) {
   EXPECT_GT(a.stats().disk.evictions + b.stats().disk.evictions, 0);
   EXPECT_EQ(a.stats().disk.bytes_used, files);
   EXPECT_EQ(b.stats().disk.bytes_used, files);
-  EXPECT_LE(files, o.disk_capacity_bytes);
+  EXPECT_LE(files, o.disk.capacity_bytes);
   EXPECT_EQ(a.stats().disk.corrupt + b.stats().disk.corrupt, 0);
 }
 

@@ -116,8 +116,8 @@ inline StoreOptions helper_disk_options(const std::string& dir) {
   StoreOptions o;
   o.chunk_tokens = kHelperChunk;
   o.capacity_bytes = int64_t{16} << 20;
-  o.disk_dir = dir;
-  o.disk_fsync = false;
+  o.disk.dir = dir;
+  o.disk.fsync = false;
   return o;
 }
 
@@ -140,9 +140,9 @@ inline StoreOptions shared_options(const std::string& dir, int64_t disk_capacity
   o.chunk_tokens = kSharedChunk;
   o.capacity_bytes = int64_t{1} << 20;
   o.num_shards = 2;
-  o.disk_dir = dir;
-  o.disk_capacity_bytes = disk_capacity;
-  o.disk_fsync = false;
+  o.disk.dir = dir;
+  o.disk.capacity_bytes = disk_capacity;
+  o.disk.fsync = false;
   return o;
 }
 /// Matches prompt `seed` of `model` with nothing in memory: -1 when a hit differs from what was

@@ -60,8 +60,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   o.capacity_bytes = 1 << 20;
   o.chunk_tokens = kChunk;
   o.num_shards = 1;
-  o.disk_dir = fx.dir;
-  o.disk_fsync = false;
+  o.disk.dir = fx.dir;
+  o.disk.fsync = false;
   {
     KVStore store(o);
     Match m = store.match(spec(), fx.tokens);

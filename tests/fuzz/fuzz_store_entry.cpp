@@ -22,7 +22,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     try {
       h = decode_entry_header(data, size);
       valid = true;
-      if (entry_encoded_bytes(h.chunk, h.payload_bytes) != size) __builtin_trap();
+      if (entry_encoded_bytes(h.geometry.chunk, h.geometry.payload_bytes) != size)
+        __builtin_trap();
     } catch (const Corrupt&) {
     }
   }
@@ -33,14 +34,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     want.parent = h.parent;
     want.salt = h.salt;
     want.fingerprint = h.fingerprint;
-    want.dtype = h.dtype;
-    want.storage = h.storage;
-    want.layers = h.layers;
-    want.chunk = h.chunk;
-    want.kv_heads = h.kv_heads;
-    want.head_dim = h.head_dim;
-    want.payload_bytes = h.payload_bytes;
-    tokens.resize(static_cast<size_t>(h.chunk));
+    want.geometry = h.geometry;
+    tokens.resize(static_cast<size_t>(h.geometry.chunk));
     for (size_t i = 0; i < tokens.size(); ++i) {
       uint32_t t;
       std::memcpy(&t, data + kEntryHeaderBytes + 4 * i, 4);
@@ -51,12 +46,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     want.ttl_ms = (size % 3 == 0) ? 4 : 0;
   } else {
     // A lookup the input cannot match: every path must still be a counted miss.
-    want.layers = want.chunk = want.kv_heads = want.head_dim = 1;
-    want.payload_bytes = 8;
+    ChunkGeometry& g = want.geometry;
+    g.layers = g.chunk = g.kv_heads = g.head_dim = 1;
+    g.payload_bytes = 8;
     static const uint32_t one = 1;
     want.tokens = &one;
   }
-  std::vector<char> payload(static_cast<size_t>(want.payload_bytes));
+  std::vector<char> payload(static_cast<size_t>(want.geometry.payload_bytes));
   TierCounters counters;
   LoadedMeta meta;
   bool drop = false;
