@@ -69,7 +69,7 @@ class KVStore:
         float32 scales, per channel for keys and per token for values; about half the bytes of
         bfloat16; match returns them dequantized to the spec's dtype, each element within half
         a quantization step). put raises ValueError for NaN or infinite KV with "int8".
-    **options: any other field of StoreOptions (include/kvbridge/kv_store.h), e.g.
+    **options: any other field of StoreOptions (include/kvbridge/store_options.h), e.g.
         disk_fsync, redis_key_prefix, redis_command_timeout_ms, redis_filter,
         redis_filter_refresh_ms.
     """
@@ -194,7 +194,7 @@ class KVStore:
         self._store.clear(_tier_mask(tiers))
 
     def stats(self) -> dict:
-        """Counters and byte accounting: see StoreStats in include/kvbridge/kv_store.h.
+        """Counters and byte accounting: see StoreStats in include/kvbridge/store_stats.h.
 
         Per-tier counters are under "memory", "disk" and "redis"; Redis round trips, latency
         and the filter under "remote"."""

@@ -34,7 +34,7 @@ class PrometheusText {
 /// `v` escaped for use inside a label value's double quotes (backslash, quote, newline).
 std::string label_value(std::string_view v);
 
-/// One row of a stats field table (kv_store.h, bridge.h: X(type, member, metric, kind, help)) as
+/// One row of a stats field table (store_stats.h, bridge.h: X(type, member, metric, kind, help)) as
 /// an unlabelled family; rows without a metric name or of kind none are not exported.
 inline void emit_row(PrometheusText& out, const char* metric, const char* kind, const char* help,
                      double value) {

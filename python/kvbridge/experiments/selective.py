@@ -118,12 +118,14 @@ def _take(kv: KVCache, positions: Sequence[int]) -> KVCache:
     return tuple((k[:, :, index], v[:, :, index]) for k, v in kv)
 
 
-def score(pair: real_eval.Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str],
+def score(pair: real_eval.Pair, adapters: Dict[str, kvbridge.LinearAdapter], texts: Sequence[str],
           share: float, budgets: Sequence[int], rules: Sequence[str] = RULES,
           progress: bool = True) -> Dict[str, Dict[int, Dict[str, Any]]]:
-    """Pooled kept / agreement per rule and budget over held-out windows (module docstring)."""
+    """Pooled kept / agreement per adapter and rule ("name/rule") and budget over held-out
+    windows (module docstring); the adapters are scored on the same windows."""
     src_m, tgt_m = pair.source, pair.target
     start = real_eval.start_kv(tgt_m)
+    rules = [f"{name}/{rule}" for name in adapters for rule in rules]
     sums = {(rule, r): common.Sums() for rule in rules for r in budgets}
     computed = {key: 0 for key in sums}
     windows = prompt_tokens = 0
@@ -136,21 +138,24 @@ def score(pair: real_eval.Pair, adapter: kvbridge.LinearAdapter, texts: Sequence
                                                                          tgt_m.bos_id)
         own = hf.prefix_kv(tgt_m.model, ids[:p - 1])
         src = real_eval.encode(src_m, split.prefix_text)
-        index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
-        conv = real_eval.with_own_start(
-            adapter.convert(hf.prefix_kv(src_m.model, src.ids), alignment=index), start)
-        dev_l0 = deviation(conv, own, [0])
-        dev_all = deviation(conv, own, range(len(own)))
+        src_kv = hf.prefix_kv(src_m.model, src.ids)
         keep_end = p - 1  # positions [0, p-1) are cached; p-1 onward the target computes
-        for rule in rules:
-            for r in budgets:
-                chosen = choose(rule, r, keep_end, dev_l0, dev_all)
-                kept_pos = [i for i in range(keep_end) if i not in set(chosen)]
-                run = chosen + list(range(keep_end, len(ids) - 1))
-                logits = forward_at(tgt_m.model, [ids[i] for i in run], run,
-                                    _take(conv, kept_pos), kept_pos)
-                sums[(rule, r)].add(logits_own, logits[-len(targets):], logits_none, targets)
-                computed[(rule, r)] += len(chosen) + 1
+        for name, adapter in adapters.items():
+            index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
+            conv = real_eval.with_own_start(adapter.convert(src_kv, alignment=index), start)
+            dev_l0 = deviation(conv, own, [0])
+            dev_all = deviation(conv, own, range(len(own)))
+            for rule in rules:
+                if not rule.startswith(name + "/"):
+                    continue
+                for r in budgets:
+                    chosen = choose(rule.split("/", 1)[1], r, keep_end, dev_l0, dev_all)
+                    kept_pos = [i for i in range(keep_end) if i not in set(chosen)]
+                    run = chosen + list(range(keep_end, len(ids) - 1))
+                    logits = forward_at(tgt_m.model, [ids[i] for i in run], run,
+                                        _take(conv, kept_pos), kept_pos)
+                    sums[(rule, r)].add(logits_own, logits[-len(targets):], logits_none, targets)
+                    computed[(rule, r)] += len(chosen) + 1
         windows += 1
         prompt_tokens += p
     if not windows:
@@ -176,7 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--source", required=True)
     p.add_argument("--target", required=True)
-    p.add_argument("--adapter", required=True, help="adapter file (fitted on training files)")
+    p.add_argument("--adapter", required=True, nargs="+", metavar="[NAME=]FILE",
+                   help="adapter files (fitted on training files), scored on the same windows")
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
     p.add_argument("--heldout-windows", type=int, default=24)
@@ -188,12 +194,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     _, heldout_files = corpus.split_files(corpus.default_files(), config.heldout_share, config.seed)
     heldout = corpus.windows(heldout_files, config.window_bytes, config.heldout_windows)
     pair = real_eval.Pair(models.load(args.source), models.load(args.target))
-    adapter = kvbridge.LinearAdapter.load(args.adapter)
-    results = score(pair, adapter, heldout, config.continuation_share, args.budgets, args.rules)
+    adapters = {}
+    for i, item in enumerate(args.adapter):
+        name, _, path = item.rpartition("=")
+        adapters[name or f"a{i}"] = kvbridge.LinearAdapter.load(path)
+    results = score(pair, adapters, heldout, config.continuation_share, args.budgets, args.rules)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "selective.json").write_text(json.dumps(
-        {"source": args.source, "target": args.target, "adapter": args.adapter,
+        {"source": args.source, "target": args.target, "adapters": args.adapter,
          "results": {rule: {str(r): m for r, m in rows.items()} for rule, rows in results.items()}},
         indent=1, default=common.finite_or_null))
     print(format_table(results))
