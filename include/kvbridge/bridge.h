@@ -38,14 +38,7 @@
 // Adapters under BridgeOptions::min_quality may be registered but are never used; each load that
 // passes one over counts it in BridgeStats::adapters_skipped_quality.
 //
-// Quality checks and fallback: callers that can run the target's own prefill of a loaded prompt
-// (kvbridge.monitor in Python) compare it with the converted cache and report each comparison
-// through record_check(). Per adapter, the bridge keeps the last BridgeOptions::check_window
-// checks; once it holds at least min_checks of them and their pooled top-1 agreement is below
-// min_agreement, the adapter is disabled: loads skip it (counted in adapters_skipped_disabled) and
-// fall back to the target's own cache or a miss, so the target prefills itself. Disabling purges
-// what the adapter wrote back (invalidate_adapter). enable_adapter() re-enables it with an empty
-// window. The state lives here, so every binding and the vLLM connector see one state.
+// Quality checks and fallback: see bridge_health.h (record_check, the agreement floor).
 //
 // Dropped adapters: disable_adapter, remove_adapter, a replacing add_adapter (another
 // fingerprint) and a disabling record_check drop an adapter. Once such a call returns, nothing
@@ -86,134 +79,15 @@
 
 #include "kvbridge/adapter.h"
 #include "kvbridge/align.h"
+#include "kvbridge/bridge_health.h"
+#include "kvbridge/bridge_options.h"
+#include "kvbridge/bridge_stats.h"
 #include "kvbridge/kv_store.h"
 #include "kvbridge/kv_view.h"
 #include "kvbridge/model_spec.h"
 #include "kvbridge/prefix_hash.h"
 
 namespace kvbridge {
-
-/// BridgeOptions described once: X(type, member, default, doc). The struct's members (in this
-/// order, so aggregate initialisation keeps working), the Python keyword arguments with their
-/// defaults, the properties and their docstrings are produced from it; a new option is one row
-/// here (and its check in the Bridge constructor, src/bridge/bridge.cpp). Types are double,
-/// bool or int64_t; Python takes an int64_t option as a count (an int >= 0), recompute_tail as
-/// an int >= -1.
-#define KVBRIDGE_BRIDGE_OPTIONS(X)                                                                \
-  X(double, min_quality, 0.5,                                                                    \
-    "Adapters whose quality (the minimum held-out R^2 over the target's layers) is below this "  \
-    "are never used. Any number but NaN; -infinity disables the gate. R^2 is a floor, not a "    \
-    "promise: it does not predict downstream quality well, so set it from measured results for " \
-    "the model pair.")                                                                           \
-  X(bool, write_back, true, "Write a converted prefix back into the store as the target's own "  \
-    "entry, so the next load of the same prompt is a native hit.")                               \
-  X(int64_t, recompute_tail, -1,                                                                 \
-    "Prompt tokens before the last one that a load holding converted tokens leaves for the "     \
-    "target to compute itself over the converted prefix (it holds at most n - 1 - r tokens; the " \
-    "target's own entries are not cut). -1 (the default): each adapter's own recorded tail "     \
-    "(LinearAdapter::serving(), from its held-out evaluation; 0 when none is recorded). >= 0: "  \
-    "that tail for every adapter; 0 converts everything but the last token.")                    \
-  X(double, min_agreement, 0.8,                                                                  \
-    "Floor on an adapter's rolling top-1 agreement from record_check(); in [0, 1], or "          \
-    "-infinity to never disable. Agreement is the share of compared positions where the "        \
-    "target's greedy next token after the converted cache equals the one after its own prefill.") \
-  X(int64_t, check_window, 32,                                                                   \
-    "Quality checks (record_check calls) per adapter kept for the rolling figures; >= 1.")       \
-  X(int64_t, min_checks, 8,                                                                      \
-    "Checks an adapter must have in its window before the agreement floor applies; in "          \
-    "[1, check_window]. A broken adapter is disabled by its min_checks-th check at the latest.")
-
-#define KVBRIDGE_BRIDGE_OPTION_MEMBER_(type, member, default_value, doc) \
-  type member = default_value;
-
-/// The Bridge's options; every field's meaning and default is in KVBRIDGE_BRIDGE_OPTIONS above.
-struct BridgeOptions {
-  KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_BRIDGE_OPTION_MEMBER_)
-};
-
-/// One comparison of a converted cache with the target's own prefill at a prompt's last
-/// positions. Sums, so checks pool by position.
-struct QualityCheck {
-  int64_t positions = 0;      ///< positions compared (> 0)
-  int64_t agreed = 0;         ///< of which with equal greedy next tokens (0..positions)
-  double kl_sum = 0;          ///< sum over positions of KL(own || converted), nats (>= 0)
-  int64_t loss_positions = 0; ///< positions whose true next token is known (0..positions)
-  double loss_gap_sum = 0;    ///< sum over those of CE(converted) - CE(own), nats
-};
-
-/// An adapter's monitoring state (Bridge::adapter_health). Rolling figures are pooled over the
-/// checks in the window (NaN when it is empty, or for loss_gap when no position had a loss).
-struct AdapterHealth {
-  std::string adapter;             ///< LinearAdapter::fingerprint()
-  std::string source, target;      ///< model names
-  bool enabled = true;
-  int64_t checks = 0;              ///< record_check calls since registration
-  int64_t window_checks = 0;       ///< checks in the rolling window now
-  int64_t window_positions = 0;    ///< positions they compared
-  double agreement = 0;            ///< agreed / positions over the window
-  double kl = 0;                   ///< mean KL(own || converted) per position over the window
-  double loss_gap = 0;             ///< mean CE gap per position with a loss, over the window
-  int64_t disables = 0;            ///< times disabled by the agreement floor
-};
-
-/// Counters since construction. Times are wall-clock seconds summed over calls.
-/// BridgeStats described once, as kv_store.h's tables: X(type, member, metric, kind, help),
-/// metric names after the kvbridge_bridge_ prefix. adapters_skipped_quality counts, per load,
-/// the adapters to the target under min_quality; adapters_skipped_stale, per load, the adapters
-/// whose target has the load spec's name but another fingerprint (a stale adapter after a model
-/// update: never used, since adapters match by exact fingerprint). converted_tokens includes any
-/// trimmed last token.
-#define KVBRIDGE_BRIDGE_STATS(X)                                                                  \
-  X(int64_t, saves, "saves_total", counter, "Bridge save calls.")                                \
-  X(int64_t, loads, "loads_total", counter, "Bridge load calls.")                                \
-  X(int64_t, native_hits, "native_hits_total", counter,                                          \
-    "Loads served from the target model's own cache only.")                                      \
-  X(int64_t, converted_hits, "converted_hits_total", counter,                                    \
-    "Loads that used a prefix converted from another model.")                                    \
-  X(int64_t, misses, "misses_total", counter, "Loads that returned nothing.")                    \
-  X(int64_t, conversions, "conversions_total", counter, "Adapter conversions run.")              \
-  X(int64_t, native_tokens, "native_tokens_total", counter,                                      \
-    "Tokens returned from the target model's own cache.")                                        \
-  X(int64_t, converted_tokens, "converted_tokens_total", counter,                                \
-    "Tokens converted through adapters.")                                                        \
-  X(int64_t, written_back_tokens, "written_back_tokens_total", counter,                          \
-    "Tokens past the native prefix cached by writing converted prefixes back.")                  \
-  X(int64_t, adapters_skipped_quality, "adapters_skipped_quality_total", counter,                \
-    "Adapters to a load's target passed over for quality under min_quality.")                    \
-  X(int64_t, adapters_skipped_stale, "adapters_skipped_stale_total", counter,                    \
-    "Adapters whose target has a load's model name but another fingerprint.")                    \
-  X(int64_t, adapters_skipped_disabled, "adapters_skipped_disabled_total", counter,              \
-    "Adapters to a load's target passed over because they are disabled.")                        \
-  X(int64_t, quality_checks, "quality_checks_total", counter,                                    \
-    "Shadow quality checks recorded (record_check calls).")                                      \
-  X(int64_t, quality_disables, "quality_disables_total", counter,                                \
-    "Adapters disabled by the agreement floor.")                                                 \
-  X(int64_t, cross_tokenizer_loads, "cross_tokenizer_loads_total", counter,                      \
-    "Load calls given a target tokenization (across tokenizers).")                               \
-  X(int64_t, unverified_tokens, "unverified_tokens_total", counter,                              \
-    "Prompt tokens past the verified prefix of a load across tokenizers (never served).")        \
-  X(int64_t, aligned_hits, "aligned_hits_total", counter,                                        \
-    "Converted hits across tokenizers (of converted_hits).")                                     \
-  X(int64_t, dropped_writes, "dropped_writes_total", counter,                                  \
-    "Write-backs and saves not stored because their adapter was dropped (disabled, removed or " \
-    "replaced).")                                                                                \
-  X(int64_t, dropped_tokens, "dropped_tokens_total", counter,                                    \
-    "Cached tokens not served because their entry's provenance names a dropped adapter.")       \
-  X(int64_t, nonfinite_refused, "nonfinite_refused_total", counter,                              \
-    "Saves refused and conversions dropped for KV holding a NaN or an infinity.")               \
-  X(double, lookup_seconds, "lookup_seconds_total", counter,                                     \
-    "Seconds spent in store lookups and copies out of the store.")                               \
-  X(double, convert_seconds, "convert_seconds_total", counter,                                   \
-    "Seconds spent converting through adapters.")                                                \
-  X(int64_t, adapters, "adapters", gauge, "Adapters registered.")                                \
-  X(int64_t, adapters_below_quality, "adapters_below_quality", gauge,                            \
-    "Registered adapters under min_quality (never used).")                                       \
-  X(int64_t, adapters_disabled, "adapters_disabled", gauge,                                      \
-    "Registered adapters disabled now (by quality checks or disable_adapter).")
-
-struct BridgeStats {
-  KVBRIDGE_BRIDGE_STATS(KVBRIDGE_STATS_MEMBER_)
-};
 
 /// The result of Bridge::load. Owns (or pins) its KV; movable, not copyable. Thread-compatible.
 class Load {

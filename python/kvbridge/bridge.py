@@ -246,7 +246,7 @@ class Bridge:
     def adapter_health(self) -> List[dict]:
         """Per registered adapter: fingerprint ("adapter"), "source", "target", "enabled",
         "checks", "window_checks", "window_positions", rolling "agreement", "kl", "loss_gap"
-        (NaN without checks), "disables" (see AdapterHealth in include/kvbridge/bridge.h)."""
+        (NaN without checks), "disables" (see AdapterHealth in include/kvbridge/bridge_health.h)."""
         return self._native.adapter_health()
 
     def save(self, spec: _core.ModelSpec, tokens: Any, kv: KVCache,
@@ -397,7 +397,7 @@ class Bridge:
                     type(error).__name__, error)
 
     def stats(self) -> dict:
-        """Counters and times: see BridgeStats in include/kvbridge/bridge.h; and
+        """Counters and times: see BridgeStats in include/kvbridge/bridge_stats.h; and
         "tokenizer_errors", the tokenizer failures loads across tokenizers went on without."""
         out = self._native.stats()
         with self._lock:
@@ -411,7 +411,7 @@ class Bridge:
     prometheus_text = metrics
 
 
-#: The native options: (name, type, default, doc) per field of BridgeOptions (bridge.h).
+#: The native options: (name, type, default, doc) per field of BridgeOptions (bridge_options.h).
 _OPTIONS = _core.Bridge.OPTIONS
 #: The argument check (kvbridge._args) for each option type; int options are counts.
 _OPTION_CHECKS = {"float": _args.number, "bool": _args.flag, "int": _args.size}

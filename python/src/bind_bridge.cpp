@@ -14,7 +14,7 @@ namespace kvbridge::python {
 
 namespace {
 
-// One key per row of KVBRIDGE_BRIDGE_STATS (bridge.h).
+// One key per row of KVBRIDGE_BRIDGE_STATS (bridge_stats.h).
 py::dict stats_dict(const BridgeStats& from) {
   py::dict d;
 #define KVBRIDGE_DICT_ITEM_(type, member, metric, kind, help) d[#member] = from.member;
@@ -79,7 +79,7 @@ void bind_bridge(py::module_& m) {
           py::arg("keys"), py::arg("values"));
 
   // The constructor's keyword arguments (after the store), their defaults (BridgeOptions{}'s)
-  // and the read-only properties, one per row of KVBRIDGE_BRIDGE_OPTIONS (bridge.h).
+  // and the read-only properties, one per row of KVBRIDGE_BRIDGE_OPTIONS (bridge_options.h).
 #define KVBRIDGE_OPTION_PARAM_(type, member, default_value, doc) , type member
 #define KVBRIDGE_OPTION_SET_(type, member, default_value, doc) o.member = member;
 #define KVBRIDGE_OPTION_ARG_(type, member, default_value, doc) \
