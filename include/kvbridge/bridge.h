@@ -273,8 +273,6 @@ class Bridge {
   void set_test_hook(std::function<void(std::string_view point)> hook);
 
  private:
-  Load load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
-                 const TokenizeText* tokenize, std::string_view ns);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
