@@ -72,6 +72,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -149,10 +150,9 @@ struct Tokenization {
   std::vector<std::string> roles;  ///< empty (all ordinary) or one per id
 };
 
-/// Tokenizes the load's text with the tokenizer whose id is given (a source model's ModelSpec
-/// tokenizer id) into `out`; returns false when the caller has no such tokenizer. Called at most
-/// once per tokenizer id per load, on the loading thread.
-using TokenizeText = std::function<bool(const std::string& tokenizer_id, Tokenization& out)>;
+/// The load's text under source tokenizers, by tokenizer id (a source model's ModelSpec
+/// tokenizer id). A tokenizer id missing from it is one the caller does not have.
+using SourceTokenizations = std::map<std::string, Tokenization>;
 
 class Bridge {
  public:
@@ -235,19 +235,22 @@ class Bridge {
   ///     are trusted: the caller also cuts the tokenization before the first token whose span
   ///     does not hold that token's decoded text (Python's Bridge does, for the target and each
   ///     source tokenization), or a misaligned cache would be converted.
-  /// tokenize: the same text under a source tokenizer (see TokenizeText).
+  /// sources: the same text under each source tokenizer the caller has (SourceTokenizations),
+  ///     tokenized before the call: the load calls nothing of the caller's. Only those of the
+  ///     tokenizers of adapters to `spec` are used; the caller may leave out the others.
   /// Candidates are those of load() plus, for every usable adapter S -> spec whose source has
   /// another tokenizer id (add_adapter lets only adapters with an alignment policy in), S's cached
-  /// prefix of tokenize(S.tokenizer)'s ids. Its target tokens are aligned with the adapter's
+  /// prefix of sources[S.tokenizer]'s ids (none when the caller has no such tokenization). Its target tokens are aligned with the adapter's
   /// policy (align()), and the candidate is the longest target prefix (at most the verified part
   /// and n - 1) in which every token has a source token inside S's cached prefix and ends within
   /// the text those cached source tokens cover. The winner is chosen, converted (the target
   /// tokens past the native prefix, each from its aligned source token, keys re-rotated at their
   /// target positions) and written back as for load(). Throws InvalidArgument as load(), for a
-  /// target tokenization that is not a prefix of tokens, or a tokenization whose spans or roles
-  /// do not match its ids or are malformed (align()).
+  /// target tokenization that is not a prefix of tokens, or a tokenization (the target's or one
+  /// of `sources`) whose ids are out of range or whose spans or roles do not match its ids or
+  /// are malformed (align()).
   Load load(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
-            const TokenizeText& tokenize, std::string_view ns = "default");
+            const SourceTokenizations& sources, std::string_view ns = "default");
 
   BridgeStats stats() const;
   /// The stats in Prometheus text exposition format (version 0.0.4), one family per counter:

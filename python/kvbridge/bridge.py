@@ -318,7 +318,8 @@ class Bridge:
         other than a str) is logged (logger kvbridge.bridge), counted in
         stats()["tokenizer_errors"] and left out: the load goes on without it (the model's own
         cache and same-tokenizer adapters still serve it). That text is tokenized with each source's registered
-        tokenizer, the source's cached prefix is found, and the longest target prefix whose
+        tokenizer (here, before the native load, which then runs without the GIL and calls
+        nothing back), the source's cached prefix is found, and the longest target prefix whose
         tokens all have an aligned source token in it and whose text it covers is converted
         (include/kvbridge/bridge.h, the load overload with tokenizations) and written back.
 
@@ -355,15 +356,19 @@ class Bridge:
                     found.quality, found.converted_from, found.adapter, found.recompute_tail)
 
     def _across(self, spec: _core.ModelSpec, ids: Any):
-        """(target tokenization, source tokenize callback) for a load across tokenizers, or None
-        when `spec` has no registered tokenizer or no adapter to it comes from another one."""
+        """(target tokenization, source tokenizations by tokenizer id) for a load across
+        tokenizers, or None when `spec` has no registered tokenizer or no adapter to it comes
+        from another one. Everything is tokenized here, before the native load, which calls
+        nothing back: the text under each registered source tokenizer of an adapter to `spec`
+        that the load may use (quality >= min_quality, enabled)."""
         with self._lock:
             known = self._tokenizers.get(spec.name)
             if known is None or known[0] != spec.tokenizer:
                 return None  # the common case: nothing more to look at on this load
             by_id = {tid: tok for tid, tok in self._tokenizers.values()}
-        if not any(a.target.fingerprint == spec.fingerprint
-                   and a.source.tokenizer != spec.tokenizer for a in self.adapters()):
+        across = [a for a in self.adapters() if a.target.fingerprint == spec.fingerprint
+                  and a.source.tokenizer != spec.tokenizer]
+        if not across:
             return None
         tokenizer = known[1]
         prompt = [int(i) for i in ids]
@@ -373,21 +378,22 @@ class Bridge:
             self._tokenizer_error(spec.tokenizer, tokenizer, e)
             return None
         raw = text.encode("utf-8")
-
-        def tokenize(tokenizer_id: str):
+        enabled = {h["adapter"]: h["enabled"] for h in self._native.adapter_health()}
+        wanted = [a.source.tokenizer for a in across
+                  if enabled.get(a.fingerprint) and Bridge.quality(a) >= self.min_quality]
+        sources = {}
+        for tokenizer_id in dict.fromkeys(wanted):  # registration order, each id once
             source = by_id.get(tokenizer_id)
             if source is None:
-                return None
+                continue
             try:
                 sids, offsets, roles = token_offsets(source, text)
                 # Only the tokens whose byte ranges hold their own text (see _verified_prefix).
                 k = _spans_hold_their_text(source, sids, offsets, roles, raw, tokenizer_id)
-                return _tokenization(sids[:k], offsets[:k], roles[:k])
+                sources[tokenizer_id] = _tokenization(sids[:k], offsets[:k], roles[:k])
             except Exception as e:  # one broken source tokenizer leaves the others usable
                 self._tokenizer_error(tokenizer_id, source, e)
-                return None
-
-        return target, tokenize
+        return target, sources
 
     def _tokenizer_error(self, tokenizer_id: str, tokenizer: Any, error: Exception) -> None:
         with self._lock:

@@ -175,22 +175,17 @@ void bind_bridge(py::module_& m) {
       .def(
           "load_across",
           [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const py::handle& target,
-             const py::function& tokenize, const std::string& ns) {
+             const py::dict& sources, const std::string& ns) {
             const PyTokens ids(tokens);
             const TokenSpan span = ids.span();
             const Tokenization target_text = tokenization(target);
-            // Called by the library on this thread; a Python exception propagates out of load.
-            const TokenizeText source_text = [&tokenize](const std::string& id, Tokenization& out) {
-              py::gil_scoped_acquire gil;
-              const py::object got = tokenize(id);
-              if (got.is_none()) return false;
-              out = tokenization(got);
-              return true;
-            };
+            SourceTokenizations source_texts;
+            for (const auto& [id, text] : sources)
+              source_texts.emplace(id.cast<std::string>(), tokenization(text));
             py::gil_scoped_release release;
-            return b.load(spec, span, target_text, source_text, ns);
+            return b.load(spec, span, target_text, source_texts, ns);
           },
-          py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("tokenize"),
+          py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("sources"),
           py::arg("namespace"))
       .def("stats", [](const Bridge& b) { return stats_dict(b.stats()); })
       .def("prometheus_text", &Bridge::prometheus_text);

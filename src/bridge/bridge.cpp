@@ -263,9 +263,8 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
 }
 
 Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
-                  const TokenizeText& tokenize, std::string_view ns) {
-  KVB_CHECK(static_cast<bool>(tokenize), "load: tokenize must be callable");
-  return impl_->load(spec, tokens, &target, &tokenize, ns);
+                  const SourceTokenizations& sources, std::string_view ns) {
+  return impl_->load(spec, tokens, &target, &sources, ns);
 }
 
 bool Bridge::record_check(const std::string& adapter_fingerprint, const QualityCheck& check) {

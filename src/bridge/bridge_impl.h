@@ -33,8 +33,8 @@ struct Registered {
 struct LoadRequest {
   const ModelSpec& spec;
   TokenSpan tokens;
-  const Tokenization* target;    // the target tokenization across tokenizers, else nullptr
-  const TokenizeText* tokenize;  // with `target`: the source tokenizations
+  const Tokenization* target;          // the target tokenization across tokenizers, else nullptr
+  const SourceTokenizations* sources;  // with `target`: the source tokenizations
   std::string_view ns;
   int64_t verified = 0;  // target tokens whose text is verified (target->ids.size())
   int64_t limit = 0;     // the most tokens a load may hold: n - 1
@@ -151,7 +151,7 @@ struct Bridge::Impl {
   // ---- The steps of a load, in order (src/bridge/load.cpp) ----
   // Checks the arguments, counts the load and fills `verified` and `limit`.
   detail::LoadRequest request(const ModelSpec& spec, TokenSpan tokens,
-                              const Tokenization* target, const TokenizeText* tokenize,
+                              const Tokenization* target, const SourceTokenizations* sources,
                               std::string_view ns);
   // The target's own cached prefix.
   detail::NativePrefix native_prefix(const detail::LoadRequest& req);
@@ -179,7 +179,7 @@ struct Bridge::Impl {
                        const Provenance& provenance);
   // The whole load.
   Load load(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
-            const TokenizeText* tokenize, std::string_view ns);
+            const SourceTokenizations* sources, std::string_view ns);
 };
 
 }  // namespace kvbridge

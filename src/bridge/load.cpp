@@ -5,8 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
-#include <map>
-#include <optional>
+#include <string>
 
 #include "kvbridge/align.h"
 #include "kvbridge/error.h"
@@ -80,11 +79,11 @@ int64_t aligned_length(const Tokenization& source, const Tokenization& target, i
 }  // namespace
 
 LoadRequest Bridge::Impl::request(const ModelSpec& spec, TokenSpan tokens,
-                                  const Tokenization* target, const TokenizeText* tokenize,
-                                  std::string_view ns) {
+                                  const Tokenization* target,
+                                  const SourceTokenizations* sources, std::string_view ns) {
   spec.validate();
   if (tokens.size > 0) check_tokens(tokens);
-  LoadRequest req{spec, tokens, target, tokenize, ns};
+  LoadRequest req{spec, tokens, target, sources, ns};
   if (target) {
     check_tokenization(*target, "target tokenization");
     req.verified = static_cast<int64_t>(target->ids.size());
@@ -94,6 +93,8 @@ LoadRequest Bridge::Impl::request(const ModelSpec& spec, TokenSpan tokens,
                (tokens.data ? tokens.data[i] : static_cast<int64_t>(tokens.data32[i]));
     KVB_CHECK(prefix, "load: the target tokenization's " << req.verified
                                                          << " ids must be a prefix of tokens");
+    for (const auto& [id, source] : *sources)
+      check_tokenization(source, ("source tokenization '" + id + "'").c_str());
   }
   loads.fetch_add(1, std::memory_order_relaxed);
   if (target) {
@@ -154,7 +155,6 @@ Candidate Bridge::Impl::choose(const LoadRequest& req, const NativePrefix& nativ
                                const std::vector<Registered>& candidates) {
   const int64_t limit = req.limit;
   Candidate best;
-  std::map<std::string, std::optional<Tokenization>> texts;  // per source tokenizer id
   for (const Registered& r : candidates) {
     const ModelSpec& source = r.adapter->source();
     Candidate c;
@@ -167,18 +167,9 @@ Candidate Bridge::Impl::choose(const LoadRequest& req, const NativePrefix& nativ
       c.cached = usable_prefix(c.match).tokens;
       c.length = std::min(converted_end(c.cached, limit, c.tail), limit);
     } else {
-      auto it = texts.find(source.tokenizer);
-      if (it == texts.end()) {  // the caller tokenizes the text once per source tokenizer
-        std::optional<Tokenization> got;
-        Tokenization t;
-        if ((*req.tokenize)(source.tokenizer, t)) {
-          check_tokenization(t, "source tokenization");
-          got = std::move(t);
-        }
-        it = texts.emplace(source.tokenizer, std::move(got)).first;
-      }
-      if (!it->second) continue;  // a tokenizer the caller does not know
-      const Tokenization& text = *it->second;
+      const auto it = req.sources->find(source.tokenizer);
+      if (it == req.sources->end()) continue;  // a tokenizer the caller does not have
+      const Tokenization& text = it->second;
       const auto start = Clock::now();
       c.match = store.match(source, TokenSpan(text.ids.data(), text.ids.size()), req.ns);
       lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
@@ -322,8 +313,8 @@ Load Bridge::Impl::serve_converted(const LoadRequest& req, int64_t native_len,
 }
 
 Load Bridge::Impl::load(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
-                        const TokenizeText* tokenize, std::string_view ns) {
-  const LoadRequest req = request(spec, tokens, target, tokenize, ns);
+                        const SourceTokenizations* sources, std::string_view ns) {
+  const LoadRequest req = request(spec, tokens, target, sources, ns);
   if (req.limit <= 0) {
     misses.fetch_add(1, std::memory_order_relaxed);
     return Load();

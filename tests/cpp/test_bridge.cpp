@@ -442,17 +442,11 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
 
   std::vector<int64_t> prompt = target.ids;
   prompt.push_back(9);  // past the verified text
-  int calls = 0;
-  const TokenizeText tokenize = [&](const std::string& id, Tokenization& out) {
-    ++calls;
-    EXPECT_EQ(id, "tok-a");
-    out = source;
-    return true;
-  };
+  // The caller tokenized the text under the source's tokenizer before the call.
+  const SourceTokenizations sources{{"tok-a", source}};
   // The plain load never uses an adapter across tokenizers.
   EXPECT_FALSE(bridge.load(t, prompt));
-  const Load hit = bridge.load(t, prompt, target, tokenize);
-  EXPECT_EQ(calls, 1);
+  const Load hit = bridge.load(t, prompt, target, sources);
   ASSERT_TRUE(hit);
   EXPECT_TRUE(hit.converted());
   EXPECT_EQ(hit.tokens(), 5);
@@ -474,7 +468,7 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   bridge2.add_adapter(adapter);
   std::vector<int64_t> first7(source.ids.begin(), source.ids.begin() + 7);
   bridge2.save(s, first7, src.view().slice_tokens(0, 7));
-  const Load part = bridge2.load(t, prompt, target, tokenize);
+  const Load part = bridge2.load(t, prompt, target, sources);
   EXPECT_EQ(part.tokens(), 3);
   // (A 3-token GEMM against the 5-token one: equal up to float32 rounding.)
   EXPECT_LT(max_rel_diff(load_kv(part, t), token_range(want, t, 5, 0, 3)), 1e-6);
@@ -483,16 +477,20 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   Bridge bridge3(store3, bo);
   bridge3.add_adapter(adapter);
   bridge3.save(s, source.ids, src.view());
-  EXPECT_FALSE(bridge3.load(t, prompt, target, [](const std::string&, Tokenization&) {
-    return false;
-  }));
+  EXPECT_FALSE(bridge3.load(t, prompt, target, SourceTokenizations{}));
+  EXPECT_FALSE(bridge3.load(t, prompt, target, SourceTokenizations{{"tok-other", source}}));
   // A target tokenization that is not a prefix of the prompt, or malformed, is refused.
   Tokenization wrong = target;
   wrong.ids[2] = 555;
-  EXPECT_THROW(bridge3.load(t, prompt, wrong, tokenize), InvalidArgument);
+  EXPECT_THROW(bridge3.load(t, prompt, wrong, sources), InvalidArgument);
   wrong = target;
   wrong.spans.pop_back();
-  EXPECT_THROW(bridge3.load(t, prompt, wrong, tokenize), InvalidArgument);
+  EXPECT_THROW(bridge3.load(t, prompt, wrong, sources), InvalidArgument);
+  // So is a malformed source tokenization.
+  wrong = source;
+  wrong.roles.pop_back();
+  EXPECT_THROW(bridge3.load(t, prompt, target, SourceTokenizations{{"tok-a", wrong}}),
+               InvalidArgument);
 }
 
 TEST_F(BridgeTest, LastTokenIsNeverReturned) {
