@@ -33,6 +33,15 @@
 //    shorter prompt over a written-back prefix keeps the same promise. Load::recompute_tail()
 //    says which r a load applied.
 //
+//  - The start token: at position 0 a causal model's KV depends on that token alone, and it is
+//    the one every later token attends to most (the attention sink), where a conversion's error
+//    costs the most. A load holding KV that is not the target's own prefill (Load::adapter()
+//    set: converted now, or a native hit on entries a conversion wrote back) takes position 0
+//    from the target's own KV of tokens[0] where one is registered: add_start(), and save() of
+//    the target's own KV (no provenance) registers its first token when that token has none yet.
+//    Load::copy_to() writes it; the written-back entries keep the conversion's. Without one
+//    position 0 is the converted (or written-back) KV.
+//
 // Quality of an adapter: the minimum held-out R² over every target layer's key and value maps in
 // its FitReport (one badly mapped layer is enough to spoil attention, so the mean would hide it).
 // Adapters under BridgeOptions::min_quality may be registered but are never used; each load that
@@ -126,6 +135,7 @@ class Load {
 
   /// Copies the KV into `dst`: a CPU view with the target spec's layers, kv_heads, head_dim and
   /// dtype and exactly tokens() tokens (any strides). Throws InvalidArgument otherwise.
+  /// Position 0 is the target's own start-token KV where the load policy says so.
   void copy_to(const KVView& dst) const;
 
  private:
@@ -140,6 +150,8 @@ class Load {
   double quality_ = 0;
   std::string converted_from_, adapter_;
   int64_t recompute_tail_ = 0;
+  std::shared_ptr<const void> start_;  // set: the target's own KV for position 0 (start_view_)
+  KVView start_view_;
 };
 
 /// One text's tokenization by one tokenizer: token ids with their UTF-8 byte spans in the text
@@ -217,6 +229,8 @@ class Bridge {
   /// adapter this Bridge has dropped nothing is stored and 0 returned; a drop that starts while
   /// this call stores waits for it and then purges what it stored.
   /// Throws InvalidArgument, storing nothing, when kv holds a NaN or an infinity.
+  /// Without a provenance, a save that stored tokens registers kv's first token as spec's own
+  /// start-token KV of tokens[0] unless that token has one (see "The start token" above).
   int64_t save(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
                std::string_view ns = "default", const Provenance& provenance = {});
 
@@ -251,6 +265,17 @@ class Bridge {
   /// are malformed (align()).
   Load load(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
             const SourceTokenizations& sources, std::string_view ns = "default");
+
+  /// Registers the first token of `kv` (a CPU view matching spec with at least one token: a
+  /// one-token prefill, or the first token of any prefill of spec's own) as spec's own KV of
+  /// `token_id` at position 0, replacing one registered before (see "The start token" above).
+  /// The KV is copied. Throws InvalidArgument for a view that does not match spec or a token_id
+  /// outside [0, 2^32).
+  void add_start(const ModelSpec& spec, int64_t token_id, const KVView& kv);
+  /// Copies spec's registered start-token KV of `token_id` into `dst` (a CPU view matching spec,
+  /// one token); false, copying nothing, when none is registered. For loads that do not go
+  /// through load() (Python's kvbridge.vllm.device_load converts on the device).
+  bool copy_start(const ModelSpec& spec, int64_t token_id, const KVView& dst) const;
 
   BridgeStats stats() const;
   /// The stats in Prometheus text exposition format (version 0.0.4), one family per counter:

@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kvbridge import _args, _core
-from kvbridge._tensors import (KVCache, as_tokens, empty_kv, host_kv, kv_views,
-                               legacy_to_cache)
+from kvbridge._tensors import (_TORCH_DTYPES, KVCache, as_tokens, empty_kv, host_kv,
+                               kv_views, legacy_to_cache)
 from kvbridge.adapter import LinearAdapter
 from kvbridge.align import token_offsets
 from kvbridge.store import KVStore
@@ -97,8 +97,6 @@ class Bridge:
         self._store = store
         self._exact_layers = _args.size("exact_layers", options["exact_layers"])
         self._tokenizers: Dict[str, Tuple[str, Any]] = {}  # model name -> (tokenizer id, tokenizer)
-        # (fingerprint, token id) -> the model's own one-token KV at position 0 (add_start)
-        self._starts: Dict[Tuple[str, int], KVCache] = {}
         self._lock = threading.Lock()
         self._tokenizer_errors = 0  # guarded by _lock
         self._native = _core.Bridge(store._store, **{
@@ -265,39 +263,36 @@ class Bridge:
         ids = as_tokens(tokens)
         pairs = host_kv(kv)
         keys, values = kv_views(pairs)
-        stored = self._native.save(spec, ids, keys, values, _args.text("namespace", namespace),
-                                   _args.text("converted_from", converted_from),
-                                   _args.text("adapter", adapter))
-        if stored and not adapter and not converted_from:
-            self._remember_start(spec, int(ids[0]), pairs)
-        return stored
+        return self._native.save(spec, ids, keys, values, _args.text("namespace", namespace),
+                                 _args.text("converted_from", converted_from),
+                                 _args.text("adapter", adapter))
 
     def add_start(self, spec: _core.ModelSpec, token_id: int, kv: KVCache) -> None:
         """Registers the model's own KV of the token `token_id` at position 0 (a one-token
         prefill, or the first token of any prefill: at position 0 a causal model's KV depends on
         that token alone). Loads of `spec` that hold converted tokens and whose prompt opens with
         `token_id` get that first token's KV from here instead of from the conversion (see
-        load()). save() registers the first token of every prompt a model saves of its own."""
-        self._remember_start(spec, _args.size("token_id", token_id), host_kv(kv), replace=True)
-
-    def _remember_start(self, spec: _core.ModelSpec, token_id: int, pairs: Any,
-                        replace: bool = False) -> None:
-        key = (spec.fingerprint, token_id)
-        with self._lock:
-            if key in self._starts and not replace:
-                return
+        load()). save() registers the first token of every prompt a model saves of its own. The
+        registry is the native Bridge's (include/kvbridge/bridge.h, "The start token")."""
+        token_id = _args.size("token_id", token_id)
+        pairs = host_kv(kv)
         if len(pairs) != spec.num_layers:
             raise _core.InvalidArgumentError(f"kv: expected {spec.num_layers} layers, got {len(pairs)}")
-        first = tuple((k[:, :, :1].detach().to("cpu", copy=True),
-                       v[:, :, :1].detach().to("cpu", copy=True)) for k, v in pairs)
-        with self._lock:
-            self._starts[key] = first
+        # The first token in the model's dtype, as loads return it.
+        dtype = _TORCH_DTYPES[spec.dtype]
+        first = [(k[:, :, :1].detach().to(dtype), v[:, :, :1].detach().to(dtype))
+                 for k, v in pairs]
+        keys, values = kv_views(first)
+        self._native.add_start(spec, token_id, keys, values)
 
-    def _own_start(self, spec: _core.ModelSpec, ids: Any, kv: KVCache) -> KVCache:
-        """kv with its first token's KV the model's own (add_start), where one is known."""
-        with self._lock:
-            start = self._starts.get((spec.fingerprint, int(ids[0])))
-        if start is None:
+    def _own_start(self, spec: _core.ModelSpec, ids: Any, kv: Any) -> Any:
+        """kv (one (keys, values) pair per layer, any device, written in place) with its first
+        token's KV the model's own where one is registered for ids[0] (add_start). load() gets
+        this from the native load; loads that convert elsewhere (kvbridge.vllm.device_load) call
+        this."""
+        start = empty_kv(spec, 1)
+        keys, values = kv_views(start)
+        if not self._native.copy_start(spec, int(ids[0]), keys, values):
             return kv
         for (k, v), (sk, sv) in zip(kv, start):
             k[:, :, :1] = sk.to(k.dtype)
@@ -341,9 +336,7 @@ class Bridge:
         if found.tokens and return_kv:
             kv = empty_kv(spec, found.tokens)
             keys, values = kv_views(kv)
-            found.copy_to(keys, values)
-            if found.adapter:
-                kv = self._own_start(spec, ids, kv)
+            found.copy_to(keys, values)  # with the model's own start token (add_start)
             if model is not None and self._exact_layers and found.adapter:
                 from kvbridge import exact
 

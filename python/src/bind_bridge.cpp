@@ -187,6 +187,24 @@ void bind_bridge(py::module_& m) {
           },
           py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("sources"),
           py::arg("namespace"))
+      .def(
+          "add_start",
+          [](Bridge& b, const ModelSpec& spec, int64_t token_id,
+             const std::vector<TensorView>& keys, const std::vector<TensorView>& values) {
+            const KVView kv = KVView::from_hf_layers(keys, values);
+            py::gil_scoped_release release;
+            b.add_start(spec, token_id, kv);
+          },
+          py::arg("spec"), py::arg("token_id"), py::arg("keys"), py::arg("values"))
+      .def(
+          "copy_start",
+          [](const Bridge& b, const ModelSpec& spec, int64_t token_id,
+             const std::vector<TensorView>& keys, const std::vector<TensorView>& values) {
+            const KVView dst = KVView::from_hf_layers(keys, values);
+            py::gil_scoped_release release;
+            return b.copy_start(spec, token_id, dst);
+          },
+          py::arg("spec"), py::arg("token_id"), py::arg("keys"), py::arg("values"))
       .def("stats", [](const Bridge& b) { return stats_dict(b.stats()); })
       .def("prometheus_text", &Bridge::prometheus_text);
 

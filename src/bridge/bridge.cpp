@@ -113,6 +113,7 @@ void Load::copy_to(const KVView& dst) const {
   } else {
     native_.copy_range_to(0, dst);
   }
+  if (start_) copy_kv(start_view_, dst.slice_tokens(0, 1));
 }
 
 Bridge::Bridge(KVStore& store, const BridgeOptions& options) {
@@ -246,7 +247,27 @@ int64_t Bridge::save(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
     return 0;
   }
   m.at("writing");
-  return m.store.put(spec, tokens, kv, ns, provenance);
+  const int64_t stored = m.store.put(spec, tokens, kv, ns, provenance);
+  if (stored > 0 && provenance.source_fingerprint.empty() && provenance.adapter_fingerprint.empty())
+    m.starts.add(spec, tokens.data ? tokens.data[0] : static_cast<int64_t>(tokens.data32[0]), kv,
+                 /*replace=*/false);
+  return stored;
+}
+
+void Bridge::add_start(const ModelSpec& spec, int64_t token_id, const KVView& kv) {
+  spec.validate();
+  KVB_CHECK(token_id >= 0 && token_id < (int64_t{1} << 32),
+            "add_start: token_id must lie in [0, 2^32), got " << token_id);
+  impl_->starts.add(spec, token_id, kv, /*replace=*/true);
+}
+
+bool Bridge::copy_start(const ModelSpec& spec, int64_t token_id, const KVView& dst) const {
+  const std::shared_ptr<const detail::StartKV> start =
+      impl_->starts.find(spec.fingerprint(), token_id);
+  if (!start) return false;
+  dst.check_matches(spec, "dst");
+  copy_kv(start->view, dst);
+  return true;
 }
 
 bool Bridge::adapter_dropped(const std::string& adapter_fingerprint) const {

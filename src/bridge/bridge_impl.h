@@ -16,6 +16,7 @@
 
 #include "kvbridge/bridge.h"
 #include "src/bridge/adapter_monitor.h"
+#include "src/bridge/start_tokens.h"
 
 namespace kvbridge {
 
@@ -95,6 +96,7 @@ struct Bridge::Impl {
   std::map<std::string, int64_t> writing;
   std::condition_variable written;
   std::function<void(std::string_view)> hook;  // set_test_hook
+  detail::StartTokens starts;                  // the models' own start-token KV (add_start)
 
   void at(std::string_view point) const {
     if (hook) hook(point);
@@ -177,6 +179,8 @@ struct Bridge::Impl {
   Load serve_converted(const detail::LoadRequest& req, int64_t native_len,
                        const detail::Candidate& best, detail::Converted out,
                        const Provenance& provenance);
+  // Attaches the target's own start-token KV to a load holding KV that is not its own prefill.
+  void with_own_start(const detail::LoadRequest& req, Load& load) const;
   // The whole load.
   Load load(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
             const SourceTokenizations* sources, std::string_view ns);

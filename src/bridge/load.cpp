@@ -312,6 +312,16 @@ Load Bridge::Impl::serve_converted(const LoadRequest& req, int64_t native_len,
   return o;
 }
 
+void Bridge::Impl::with_own_start(const LoadRequest& req, Load& load) const {
+  if (load.tokens_ == 0 || load.adapter_.empty()) return;
+  const int64_t first = req.tokens.data ? req.tokens.data[0]
+                                        : static_cast<int64_t>(req.tokens.data32[0]);
+  std::shared_ptr<const detail::StartKV> start = starts.find(req.spec.fingerprint(), first);
+  if (!start) return;
+  load.start_view_ = start->view;
+  load.start_ = std::move(start);
+}
+
 Load Bridge::Impl::load(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
                         const SourceTokenizations* sources, std::string_view ns) {
   const LoadRequest req = request(spec, tokens, target, sources, ns);
@@ -322,17 +332,23 @@ Load Bridge::Impl::load(const ModelSpec& spec, TokenSpan tokens, const Tokenizat
   NativePrefix native = native_prefix(req);
   const std::vector<Registered> adapters = candidates(req, native.length < req.limit);
   Candidate best = choose(req, native, adapters);
-  if (!best.registered) return serve_native(req, native);
-
-  const int64_t native_len = native.length;
-  Converted out = convert(req, native, best);
-  if (!out.finite) return serve_native(req, native, std::move(out.buffer), out.view);
-  at("converted");
-  const LinearAdapter& adapter = *best.registered->adapter;
-  const Provenance provenance{adapter.source().fingerprint(), adapter.fingerprint()};
-  if (!write_back(req, out, native_len, provenance))
-    return serve_native(req, native, std::move(out.buffer), out.view);
-  return serve_converted(req, native_len, best, std::move(out), provenance);
+  Load served;
+  if (!best.registered) {
+    served = serve_native(req, native);
+  } else {
+    const int64_t native_len = native.length;
+    Converted out = convert(req, native, best);
+    const LinearAdapter& adapter = *best.registered->adapter;
+    const Provenance provenance{adapter.source().fingerprint(), adapter.fingerprint()};
+    if (out.finite) at("converted");
+    if (out.finite && write_back(req, out, native_len, provenance)) {
+      served = serve_converted(req, native_len, best, std::move(out), provenance);
+    } else {
+      served = serve_native(req, native, std::move(out.buffer), out.view);
+    }
+  }
+  with_own_start(req, served);  // after the write-back, which keeps the conversion's
+  return served;
 }
 
 }  // namespace kvbridge

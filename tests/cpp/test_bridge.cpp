@@ -493,6 +493,84 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
                InvalidArgument);
 }
 
+// Token `pos` of a dense [layers, 2, tokens, heads, dim] vector replaced by the one-token `one`.
+std::vector<float> with_token(std::vector<float> kv, const ModelSpec& s, int64_t tokens,
+                              int64_t pos, const std::vector<float>& one) {
+  const int64_t row = s.num_kv_heads * s.head_dim;
+  for (int64_t p = 0; p < 2 * s.num_layers; ++p)
+    std::copy(one.begin() + p * row, one.begin() + (p + 1) * row,
+              kv.begin() + (p * tokens + pos) * row);
+  return kv;
+}
+
+// The start token: a load holding converted KV takes the target's own KV of its first token
+// where one is registered (a save of the target's own, or add_start), now and as a native hit
+// on the written-back entries; without one, the converted KV stays at position 0.
+TEST_F(BridgeTest, ConvertedLoadsTakeTheTargetsOwnStartToken) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(53, 21);
+  FloatKV src(*src_, 53, 1);
+  src.randomize(31);
+  bridge.save(*src_, tokens, src.view());
+  const std::vector<float> conv = converted(**good_, src.view().slice_tokens(0, 48), 0, false);
+  std::vector<float> one(static_cast<size_t>(2 * tgt_->num_layers * tgt_->num_kv_heads *
+                                             tgt_->head_dim));
+  const KVView one_view = KVView::contiguous(one.data(), DType::kFloat32, {}, tgt_->num_layers,
+                                             1, tgt_->num_kv_heads, tgt_->head_dim);
+  EXPECT_FALSE(bridge.copy_start(*tgt_, tokens[0], one_view));
+
+  // Without a registered start token: the conversion everywhere (and it is written back).
+  KVStore plain_store(store_options());
+  Bridge plain(plain_store);
+  plain.add_adapter(*good_);
+  plain.save(*src_, tokens, src.view());
+  EXPECT_EQ(load_kv(plain.load(*tgt_, tokens), *tgt_), conv);
+
+  // The target's own prefill of another prompt opening with the same token registers it.
+  auto other = testing::random_tokens(20, 22);
+  other[0] = tokens[0];
+  FloatKV own(*tgt_, 20, 2);
+  own.randomize(32);
+  EXPECT_EQ(bridge.save(*tgt_, other, own.view()), 16);
+  const std::vector<float> own_first = dense(own.view().slice_tokens(0, 1));
+  ASSERT_NE(own_first, token_range(conv, *tgt_, 48, 0, 1));
+  ASSERT_TRUE(bridge.copy_start(*tgt_, tokens[0], one_view));
+  EXPECT_EQ(one, own_first);
+  const std::vector<float> want = with_token(conv, *tgt_, 48, 0, own_first);
+  const Load first = bridge.load(*tgt_, tokens);
+  ASSERT_TRUE(first.converted());
+  EXPECT_EQ(load_kv(first, *tgt_), want);
+  // The written-back entries keep the conversion's first token; the native hit on them (its
+  // provenance names the adapter) takes the target's own again.
+  const Load second = bridge.load(*tgt_, tokens);
+  ASSERT_FALSE(second.converted());
+  ASSERT_FALSE(second.adapter().empty());
+  EXPECT_EQ(load_kv(second, *tgt_), want);
+  Match stored = store.match(*tgt_, tokens);
+  ASSERT_EQ(stored.tokens(), 48);
+  std::vector<float> entries(conv.size());
+  stored.copy_range_to(0, KVView::contiguous(entries.data(), DType::kFloat32, {},
+                                             tgt_->num_layers, 48, tgt_->num_kv_heads,
+                                             tgt_->head_dim));
+  EXPECT_EQ(entries, conv);
+  // A later save of the target's own does not replace it; add_start does.
+  FloatKV again(*tgt_, 20);
+  again.randomize(33);
+  auto other2 = testing::random_tokens(20, 23);
+  other2[0] = tokens[0];
+  bridge.save(*tgt_, other2, again.view());
+  EXPECT_EQ(load_kv(bridge.load(*tgt_, tokens), *tgt_), want);
+  bridge.add_start(*tgt_, tokens[0], again.view());
+  EXPECT_EQ(load_kv(bridge.load(*tgt_, tokens), *tgt_),
+            with_token(conv, *tgt_, 48, 0, dense(again.view().slice_tokens(0, 1))));
+  // The target's own entries are served as stored.
+  EXPECT_EQ(load_kv(bridge.load(*tgt_, other), *tgt_), dense(own.view().slice_tokens(0, 16)));
+  EXPECT_THROW(bridge.add_start(*src_, tokens[0], again.view()), InvalidArgument);
+  EXPECT_THROW(bridge.add_start(*tgt_, -1, again.view()), InvalidArgument);
+}
+
 TEST_F(BridgeTest, LastTokenIsNeverReturned) {
   KVStore store(store_options());
   Bridge bridge(store);
