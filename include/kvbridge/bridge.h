@@ -254,10 +254,11 @@ class Bridge {
   ///     tokenizers of adapters to `spec` are used; the caller may leave out the others.
   /// Candidates are those of load() plus, for every usable adapter S -> spec whose source has
   /// another tokenizer id (add_adapter lets only adapters with an alignment policy in), S's cached
-  /// prefix of sources[S.tokenizer]'s ids (none when the caller has no such tokenization). Its target tokens are aligned with the adapter's
-  /// policy (align()), and the candidate is the longest target prefix (at most the verified part
-  /// and n - 1) in which every token has a source token inside S's cached prefix and ends within
-  /// the text those cached source tokens cover. The winner is chosen, converted (the target
+  /// prefix of sources[S.tokenizer]'s ids (none when the caller has no such tokenization). Its
+  /// target tokens are aligned with the adapter's policy (align()), and the candidate is the
+  /// longest target prefix (at most the verified part and n - 1) in which every token has a
+  /// source token inside S's cached prefix and ends within the text those cached source tokens
+  /// cover. The winner is chosen, converted (the target
   /// tokens past the native prefix, each from its aligned source token, keys re-rotated at their
   /// target positions) and written back as for load(). Throws InvalidArgument as load(), for a
   /// target tokenization that is not a prefix of tokens, or a tokenization (the target's or one
@@ -278,18 +279,13 @@ class Bridge {
   bool copy_start(const ModelSpec& spec, int64_t token_id, const KVView& dst) const;
 
   BridgeStats stats() const;
-  /// The stats in Prometheus text exposition format (version 0.0.4), one family per counter:
-  /// kvbridge_bridge_{saves,loads,native_hits,converted_hits,misses,conversions}_total,
-  /// kvbridge_bridge_{native,converted,written_back}_tokens_total,
-  /// kvbridge_bridge_adapters_skipped_{quality,stale}_total,
-  /// kvbridge_bridge_{lookup,convert}_seconds_total
-  /// kvbridge_bridge_adapters_skipped_disabled_total, kvbridge_bridge_quality_{checks,disables}_total
-  /// (counters), kvbridge_bridge_adapters, kvbridge_bridge_adapters_below_quality,
-  /// kvbridge_bridge_adapters_disabled (gauges), and per adapter, labelled
-  /// {adapter="<fingerprint>",source="<name>",target="<name>"}: the gauges
+  /// The stats in Prometheus text exposition format (version 0.0.4), named as
+  /// KVStore::metrics_text: one family kvbridge_bridge_<metric> per row of
+  /// KVBRIDGE_BRIDGE_STATS (bridge_stats.h; its kind, counter or gauge, and help), and per
+  /// adapter, labelled {adapter="<fingerprint>",source="<name>",target="<name>"}: the gauges
   /// kvbridge_bridge_adapter_{enabled,agreement,kl,loss_gap,window_checks} and the counters
   /// kvbridge_bridge_adapter_{checks,disables}_total (NaN figures are written as NaN).
-  std::string prometheus_text() const;
+  std::string metrics_text() const;
 
   /// Test seam: `hook` is called with the name of a point a call reaches, on the calling
   /// thread: "converted" (load, after converting and before the write-back with its check that

@@ -403,11 +403,15 @@ class Bridge:
             out["tokenizer_errors"] = self._tokenizer_errors
         return out
 
-    def metrics(self) -> str:
-        """The stats in Prometheus text format (kvbridge_bridge_* families)."""
-        return self._native.prometheus_text()
+    def metrics_text(self) -> str:
+        """The stats in Prometheus text format (kvbridge_bridge_* families): the name
+        KVStore.metrics_text has for the store's."""
+        return self._native.metrics_text()
 
-    prometheus_text = metrics
+    # Earlier names of metrics_text, kept for their callers (kvbridge.monitor and the vLLM
+    # shadow worker call metrics()).
+    metrics = metrics_text
+    prometheus_text = metrics_text
 
 
 #: The native options: (name, type, default, doc) per field of BridgeOptions (bridge_options.h).

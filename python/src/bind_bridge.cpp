@@ -206,7 +206,7 @@ void bind_bridge(py::module_& m) {
           },
           py::arg("spec"), py::arg("token_id"), py::arg("keys"), py::arg("values"))
       .def("stats", [](const Bridge& b) { return stats_dict(b.stats()); })
-      .def("prometheus_text", &Bridge::prometheus_text);
+      .def("metrics_text", &Bridge::metrics_text);
 
   // Bridge.OPTIONS: ((name, type, default, doc), ...) in the table's order, for the Python
   // wrapper (kvbridge.Bridge takes its options from it) and the stub check.

@@ -379,7 +379,7 @@ BridgeStats Bridge::stats() const {
   return s;
 }
 
-std::string Bridge::prometheus_text() const {
+std::string Bridge::metrics_text() const {
   const BridgeStats from = stats();
   const std::vector<AdapterHealth> health = adapter_health();
   detail::PrometheusText out("kvbridge_bridge_");

@@ -673,7 +673,7 @@ TEST_F(BridgeTest, PrometheusTextNamesEveryCounter) {
   bridge.load(*tgt_, tokens);
   bridge.load(*tgt_, tokens);
   bridge.load(*src2_, tokens);
-  const std::string text = bridge.prometheus_text();
+  const std::string text = bridge.metrics_text();
   for (const char* line :
        {"kvbridge_bridge_saves_total 1\n", "kvbridge_bridge_loads_total 3\n",
         "kvbridge_bridge_native_hits_total 1\n", "kvbridge_bridge_converted_hits_total 1\n",
@@ -1067,7 +1067,7 @@ TEST_F(BridgeTest, ChecksUnderTheFloorDisableTheAdapter) {
   EXPECT_EQ(s.quality_checks, 9);
   EXPECT_EQ(s.quality_disables, 1);
   EXPECT_EQ(s.conversions, 1);
-  const std::string text = bridge.prometheus_text();
+  const std::string text = bridge.metrics_text();
   const std::string labels = "{adapter=\"" + fp + "\",source=\"src\",target=\"tgt\"}";
   for (const std::string& line : std::vector<std::string>{
            "kvbridge_bridge_adapters_disabled 1\n", "kvbridge_bridge_quality_checks_total 9\n",
