@@ -33,19 +33,21 @@
 //    shorter prompt over a written-back prefix keeps the same promise. Load::recompute_tail()
 //    says which r a load applied.
 //
+//  - The start token: at position 0 a causal model's KV depends on that token alone, and it is
+//    the one every later token attends to most (the attention sink), where a conversion's error
+//    costs the most. A load holding KV that is not the target's own prefill (Load::adapter()
+//    set: converted now, or a native hit on entries a conversion wrote back) takes position 0
+//    from the target's own KV of tokens[0] where one is registered: add_start(), and save() of
+//    the target's own KV (no provenance) registers its first token when that token has none yet.
+//    Load::copy_to() writes it; the written-back entries keep the conversion's. Without one
+//    position 0 is the converted (or written-back) KV.
+//
 // Quality of an adapter: the minimum held-out R² over every target layer's key and value maps in
 // its FitReport (one badly mapped layer is enough to spoil attention, so the mean would hide it).
 // Adapters under BridgeOptions::min_quality may be registered but are never used; each load that
 // passes one over counts it in BridgeStats::adapters_skipped_quality.
 //
-// Quality checks and fallback: callers that can run the target's own prefill of a loaded prompt
-// (kvbridge.monitor in Python) compare it with the converted cache and report each comparison
-// through record_check(). Per adapter, the bridge keeps the last BridgeOptions::check_window
-// checks; once it holds at least min_checks of them and their pooled top-1 agreement is below
-// min_agreement, the adapter is disabled: loads skip it (counted in adapters_skipped_disabled) and
-// fall back to the target's own cache or a miss, so the target prefills itself. Disabling purges
-// what the adapter wrote back (invalidate_adapter). enable_adapter() re-enables it with an empty
-// window. The state lives here, so every binding and the vLLM connector see one state.
+// Quality checks and fallback: see bridge_health.h (record_check, the agreement floor).
 //
 // Dropped adapters: disable_adapter, remove_adapter, a replacing add_adapter (another
 // fingerprint) and a disabling record_check drop an adapter. Once such a call returns, nothing
@@ -79,6 +81,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -86,134 +89,15 @@
 
 #include "kvbridge/adapter.h"
 #include "kvbridge/align.h"
+#include "kvbridge/bridge_health.h"
+#include "kvbridge/bridge_options.h"
+#include "kvbridge/bridge_stats.h"
 #include "kvbridge/kv_store.h"
 #include "kvbridge/kv_view.h"
 #include "kvbridge/model_spec.h"
 #include "kvbridge/prefix_hash.h"
 
 namespace kvbridge {
-
-/// BridgeOptions described once: X(type, member, default, doc). The struct's members (in this
-/// order, so aggregate initialisation keeps working), the Python keyword arguments with their
-/// defaults, the properties and their docstrings are produced from it; a new option is one row
-/// here (and its check in the Bridge constructor, src/bridge/bridge.cpp). Types are double,
-/// bool or int64_t; Python takes an int64_t option as a count (an int >= 0), recompute_tail as
-/// an int >= -1.
-#define KVBRIDGE_BRIDGE_OPTIONS(X)                                                                \
-  X(double, min_quality, 0.5,                                                                    \
-    "Adapters whose quality (the minimum held-out R^2 over the target's layers) is below this "  \
-    "are never used. Any number but NaN; -infinity disables the gate. R^2 is a floor, not a "    \
-    "promise: it does not predict downstream quality well, so set it from measured results for " \
-    "the model pair.")                                                                           \
-  X(bool, write_back, true, "Write a converted prefix back into the store as the target's own "  \
-    "entry, so the next load of the same prompt is a native hit.")                               \
-  X(int64_t, recompute_tail, -1,                                                                 \
-    "Prompt tokens before the last one that a load holding converted tokens leaves for the "     \
-    "target to compute itself over the converted prefix (it holds at most n - 1 - r tokens; the " \
-    "target's own entries are not cut). -1 (the default): each adapter's own recorded tail "     \
-    "(LinearAdapter::serving(), from its held-out evaluation; 0 when none is recorded). >= 0: "  \
-    "that tail for every adapter; 0 converts everything but the last token.")                    \
-  X(double, min_agreement, 0.8,                                                                  \
-    "Floor on an adapter's rolling top-1 agreement from record_check(); in [0, 1], or "          \
-    "-infinity to never disable. Agreement is the share of compared positions where the "        \
-    "target's greedy next token after the converted cache equals the one after its own prefill.") \
-  X(int64_t, check_window, 32,                                                                   \
-    "Quality checks (record_check calls) per adapter kept for the rolling figures; >= 1.")       \
-  X(int64_t, min_checks, 8,                                                                      \
-    "Checks an adapter must have in its window before the agreement floor applies; in "          \
-    "[1, check_window]. A broken adapter is disabled by its min_checks-th check at the latest.")
-
-#define KVBRIDGE_BRIDGE_OPTION_MEMBER_(type, member, default_value, doc) \
-  type member = default_value;
-
-/// The Bridge's options; every field's meaning and default is in KVBRIDGE_BRIDGE_OPTIONS above.
-struct BridgeOptions {
-  KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_BRIDGE_OPTION_MEMBER_)
-};
-
-/// One comparison of a converted cache with the target's own prefill at a prompt's last
-/// positions. Sums, so checks pool by position.
-struct QualityCheck {
-  int64_t positions = 0;      ///< positions compared (> 0)
-  int64_t agreed = 0;         ///< of which with equal greedy next tokens (0..positions)
-  double kl_sum = 0;          ///< sum over positions of KL(own || converted), nats (>= 0)
-  int64_t loss_positions = 0; ///< positions whose true next token is known (0..positions)
-  double loss_gap_sum = 0;    ///< sum over those of CE(converted) - CE(own), nats
-};
-
-/// An adapter's monitoring state (Bridge::adapter_health). Rolling figures are pooled over the
-/// checks in the window (NaN when it is empty, or for loss_gap when no position had a loss).
-struct AdapterHealth {
-  std::string adapter;             ///< LinearAdapter::fingerprint()
-  std::string source, target;      ///< model names
-  bool enabled = true;
-  int64_t checks = 0;              ///< record_check calls since registration
-  int64_t window_checks = 0;       ///< checks in the rolling window now
-  int64_t window_positions = 0;    ///< positions they compared
-  double agreement = 0;            ///< agreed / positions over the window
-  double kl = 0;                   ///< mean KL(own || converted) per position over the window
-  double loss_gap = 0;             ///< mean CE gap per position with a loss, over the window
-  int64_t disables = 0;            ///< times disabled by the agreement floor
-};
-
-/// Counters since construction. Times are wall-clock seconds summed over calls.
-/// BridgeStats described once, as kv_store.h's tables: X(type, member, metric, kind, help),
-/// metric names after the kvbridge_bridge_ prefix. adapters_skipped_quality counts, per load,
-/// the adapters to the target under min_quality; adapters_skipped_stale, per load, the adapters
-/// whose target has the load spec's name but another fingerprint (a stale adapter after a model
-/// update: never used, since adapters match by exact fingerprint). converted_tokens includes any
-/// trimmed last token.
-#define KVBRIDGE_BRIDGE_STATS(X)                                                                  \
-  X(int64_t, saves, "saves_total", counter, "Bridge save calls.")                                \
-  X(int64_t, loads, "loads_total", counter, "Bridge load calls.")                                \
-  X(int64_t, native_hits, "native_hits_total", counter,                                          \
-    "Loads served from the target model's own cache only.")                                      \
-  X(int64_t, converted_hits, "converted_hits_total", counter,                                    \
-    "Loads that used a prefix converted from another model.")                                    \
-  X(int64_t, misses, "misses_total", counter, "Loads that returned nothing.")                    \
-  X(int64_t, conversions, "conversions_total", counter, "Adapter conversions run.")              \
-  X(int64_t, native_tokens, "native_tokens_total", counter,                                      \
-    "Tokens returned from the target model's own cache.")                                        \
-  X(int64_t, converted_tokens, "converted_tokens_total", counter,                                \
-    "Tokens converted through adapters.")                                                        \
-  X(int64_t, written_back_tokens, "written_back_tokens_total", counter,                          \
-    "Tokens past the native prefix cached by writing converted prefixes back.")                  \
-  X(int64_t, adapters_skipped_quality, "adapters_skipped_quality_total", counter,                \
-    "Adapters to a load's target passed over for quality under min_quality.")                    \
-  X(int64_t, adapters_skipped_stale, "adapters_skipped_stale_total", counter,                    \
-    "Adapters whose target has a load's model name but another fingerprint.")                    \
-  X(int64_t, adapters_skipped_disabled, "adapters_skipped_disabled_total", counter,              \
-    "Adapters to a load's target passed over because they are disabled.")                        \
-  X(int64_t, quality_checks, "quality_checks_total", counter,                                    \
-    "Shadow quality checks recorded (record_check calls).")                                      \
-  X(int64_t, quality_disables, "quality_disables_total", counter,                                \
-    "Adapters disabled by the agreement floor.")                                                 \
-  X(int64_t, cross_tokenizer_loads, "cross_tokenizer_loads_total", counter,                      \
-    "Load calls given a target tokenization (across tokenizers).")                               \
-  X(int64_t, unverified_tokens, "unverified_tokens_total", counter,                              \
-    "Prompt tokens past the verified prefix of a load across tokenizers (never served).")        \
-  X(int64_t, aligned_hits, "aligned_hits_total", counter,                                        \
-    "Converted hits across tokenizers (of converted_hits).")                                     \
-  X(int64_t, dropped_writes, "dropped_writes_total", counter,                                  \
-    "Write-backs and saves not stored because their adapter was dropped (disabled, removed or " \
-    "replaced).")                                                                                \
-  X(int64_t, dropped_tokens, "dropped_tokens_total", counter,                                    \
-    "Cached tokens not served because their entry's provenance names a dropped adapter.")       \
-  X(int64_t, nonfinite_refused, "nonfinite_refused_total", counter,                              \
-    "Saves refused and conversions dropped for KV holding a NaN or an infinity.")               \
-  X(double, lookup_seconds, "lookup_seconds_total", counter,                                     \
-    "Seconds spent in store lookups and copies out of the store.")                               \
-  X(double, convert_seconds, "convert_seconds_total", counter,                                   \
-    "Seconds spent converting through adapters.")                                                \
-  X(int64_t, adapters, "adapters", gauge, "Adapters registered.")                                \
-  X(int64_t, adapters_below_quality, "adapters_below_quality", gauge,                            \
-    "Registered adapters under min_quality (never used).")                                       \
-  X(int64_t, adapters_disabled, "adapters_disabled", gauge,                                      \
-    "Registered adapters disabled now (by quality checks or disable_adapter).")
-
-struct BridgeStats {
-  KVBRIDGE_BRIDGE_STATS(KVBRIDGE_STATS_MEMBER_)
-};
 
 /// The result of Bridge::load. Owns (or pins) its KV; movable, not copyable. Thread-compatible.
 class Load {
@@ -251,6 +135,7 @@ class Load {
 
   /// Copies the KV into `dst`: a CPU view with the target spec's layers, kv_heads, head_dim and
   /// dtype and exactly tokens() tokens (any strides). Throws InvalidArgument otherwise.
+  /// Position 0 is the target's own start-token KV where the load policy says so.
   void copy_to(const KVView& dst) const;
 
  private:
@@ -265,6 +150,8 @@ class Load {
   double quality_ = 0;
   std::string converted_from_, adapter_;
   int64_t recompute_tail_ = 0;
+  std::shared_ptr<const void> start_;  // set: the target's own KV for position 0 (start_view_)
+  KVView start_view_;
 };
 
 /// One text's tokenization by one tokenizer: token ids with their UTF-8 byte spans in the text
@@ -275,10 +162,9 @@ struct Tokenization {
   std::vector<std::string> roles;  ///< empty (all ordinary) or one per id
 };
 
-/// Tokenizes the load's text with the tokenizer whose id is given (a source model's ModelSpec
-/// tokenizer id) into `out`; returns false when the caller has no such tokenizer. Called at most
-/// once per tokenizer id per load, on the loading thread.
-using TokenizeText = std::function<bool(const std::string& tokenizer_id, Tokenization& out)>;
+/// The load's text under source tokenizers, by tokenizer id (a source model's ModelSpec
+/// tokenizer id). A tokenizer id missing from it is one the caller does not have.
+using SourceTokenizations = std::map<std::string, Tokenization>;
 
 class Bridge {
  public:
@@ -343,6 +229,8 @@ class Bridge {
   /// adapter this Bridge has dropped nothing is stored and 0 returned; a drop that starts while
   /// this call stores waits for it and then purges what it stored.
   /// Throws InvalidArgument, storing nothing, when kv holds a NaN or an infinity.
+  /// Without a provenance, a save that stored tokens registers kv's first token as spec's own
+  /// start-token KV of tokens[0] unless that token has one (see "The start token" above).
   int64_t save(const ModelSpec& spec, TokenSpan tokens, const KVView& kv,
                std::string_view ns = "default", const Provenance& provenance = {});
 
@@ -361,33 +249,43 @@ class Bridge {
   ///     are trusted: the caller also cuts the tokenization before the first token whose span
   ///     does not hold that token's decoded text (Python's Bridge does, for the target and each
   ///     source tokenization), or a misaligned cache would be converted.
-  /// tokenize: the same text under a source tokenizer (see TokenizeText).
+  /// sources: the same text under each source tokenizer the caller has (SourceTokenizations),
+  ///     tokenized before the call: the load calls nothing of the caller's. Only those of the
+  ///     tokenizers of adapters to `spec` are used; the caller may leave out the others.
   /// Candidates are those of load() plus, for every usable adapter S -> spec whose source has
   /// another tokenizer id (add_adapter lets only adapters with an alignment policy in), S's cached
-  /// prefix of tokenize(S.tokenizer)'s ids. Its target tokens are aligned with the adapter's
-  /// policy (align()), and the candidate is the longest target prefix (at most the verified part
-  /// and n - 1) in which every token has a source token inside S's cached prefix and ends within
-  /// the text those cached source tokens cover. The winner is chosen, converted (the target
+  /// prefix of sources[S.tokenizer]'s ids (none when the caller has no such tokenization). Its
+  /// target tokens are aligned with the adapter's policy (align()), and the candidate is the
+  /// longest target prefix (at most the verified part and n - 1) in which every token has a
+  /// source token inside S's cached prefix and ends within the text those cached source tokens
+  /// cover. The winner is chosen, converted (the target
   /// tokens past the native prefix, each from its aligned source token, keys re-rotated at their
   /// target positions) and written back as for load(). Throws InvalidArgument as load(), for a
-  /// target tokenization that is not a prefix of tokens, or a tokenization whose spans or roles
-  /// do not match its ids or are malformed (align()).
+  /// target tokenization that is not a prefix of tokens, or a tokenization (the target's or one
+  /// of `sources`) whose ids are out of range or whose spans or roles do not match its ids or
+  /// are malformed (align()).
   Load load(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
-            const TokenizeText& tokenize, std::string_view ns = "default");
+            const SourceTokenizations& sources, std::string_view ns = "default");
+
+  /// Registers the first token of `kv` (a CPU view matching spec with at least one token: a
+  /// one-token prefill, or the first token of any prefill of spec's own) as spec's own KV of
+  /// `token_id` at position 0, replacing one registered before (see "The start token" above).
+  /// The KV is copied. Throws InvalidArgument for a view that does not match spec or a token_id
+  /// outside [0, 2^32).
+  void add_start(const ModelSpec& spec, int64_t token_id, const KVView& kv);
+  /// Copies spec's registered start-token KV of `token_id` into `dst` (a CPU view matching spec,
+  /// one token); false, copying nothing, when none is registered. For loads that do not go
+  /// through load() (Python's kvbridge.vllm.device_load converts on the device).
+  bool copy_start(const ModelSpec& spec, int64_t token_id, const KVView& dst) const;
 
   BridgeStats stats() const;
-  /// The stats in Prometheus text exposition format (version 0.0.4), one family per counter:
-  /// kvbridge_bridge_{saves,loads,native_hits,converted_hits,misses,conversions}_total,
-  /// kvbridge_bridge_{native,converted,written_back}_tokens_total,
-  /// kvbridge_bridge_adapters_skipped_{quality,stale}_total,
-  /// kvbridge_bridge_{lookup,convert}_seconds_total
-  /// kvbridge_bridge_adapters_skipped_disabled_total, kvbridge_bridge_quality_{checks,disables}_total
-  /// (counters), kvbridge_bridge_adapters, kvbridge_bridge_adapters_below_quality,
-  /// kvbridge_bridge_adapters_disabled (gauges), and per adapter, labelled
-  /// {adapter="<fingerprint>",source="<name>",target="<name>"}: the gauges
+  /// The stats in Prometheus text exposition format (version 0.0.4), named as
+  /// KVStore::metrics_text: one family kvbridge_bridge_<metric> per row of
+  /// KVBRIDGE_BRIDGE_STATS (bridge_stats.h; its kind, counter or gauge, and help), and per
+  /// adapter, labelled {adapter="<fingerprint>",source="<name>",target="<name>"}: the gauges
   /// kvbridge_bridge_adapter_{enabled,agreement,kl,loss_gap,window_checks} and the counters
   /// kvbridge_bridge_adapter_{checks,disables}_total (NaN figures are written as NaN).
-  std::string prometheus_text() const;
+  std::string metrics_text() const;
 
   /// Test seam: `hook` is called with the name of a point a call reaches, on the calling
   /// thread: "converted" (load, after converting and before the write-back with its check that
@@ -399,8 +297,6 @@ class Bridge {
   void set_test_hook(std::function<void(std::string_view point)> hook);
 
  private:
-  Load load_impl(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
-                 const TokenizeText* tokenize, std::string_view ns);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kvbridge import _args, _core
-from kvbridge._tensors import KVCache, as_tokens, empty_kv, host_kv, kv_views
+from kvbridge._tensors import _TORCH_DTYPES, KVCache, as_tokens, empty_kv, host_kv, kv_views
 from kvbridge.hf import legacy_to_cache
 from kvbridge.adapter import LinearAdapter
 from kvbridge.align import token_offsets
@@ -97,8 +97,6 @@ class Bridge:
         self._store = store
         self._exact_layers = _args.size("exact_layers", options["exact_layers"])
         self._tokenizers: Dict[str, Tuple[str, Any]] = {}  # model name -> (tokenizer id, tokenizer)
-        # (fingerprint, token id) -> the model's own one-token KV at position 0 (add_start)
-        self._starts: Dict[Tuple[str, int], KVCache] = {}
         self._lock = threading.Lock()
         self._tokenizer_errors = 0  # guarded by _lock
         self._native = _core.Bridge(store._store, **{
@@ -246,7 +244,7 @@ class Bridge:
     def adapter_health(self) -> List[dict]:
         """Per registered adapter: fingerprint ("adapter"), "source", "target", "enabled",
         "checks", "window_checks", "window_positions", rolling "agreement", "kl", "loss_gap"
-        (NaN without checks), "disables" (see AdapterHealth in include/kvbridge/bridge.h)."""
+        (NaN without checks), "disables" (see AdapterHealth in include/kvbridge/bridge_health.h)."""
         return self._native.adapter_health()
 
     def save(self, spec: _core.ModelSpec, tokens: Any, kv: KVCache,
@@ -265,39 +263,36 @@ class Bridge:
         ids = as_tokens(tokens)
         pairs = host_kv(kv)
         keys, values = kv_views(pairs)
-        stored = self._native.save(spec, ids, keys, values, _args.text("namespace", namespace),
-                                   _args.text("converted_from", converted_from),
-                                   _args.text("adapter", adapter))
-        if stored and not adapter and not converted_from:
-            self._remember_start(spec, int(ids[0]), pairs)
-        return stored
+        return self._native.save(spec, ids, keys, values, _args.text("namespace", namespace),
+                                 _args.text("converted_from", converted_from),
+                                 _args.text("adapter", adapter))
 
     def add_start(self, spec: _core.ModelSpec, token_id: int, kv: KVCache) -> None:
         """Registers the model's own KV of the token `token_id` at position 0 (a one-token
         prefill, or the first token of any prefill: at position 0 a causal model's KV depends on
         that token alone). Loads of `spec` that hold converted tokens and whose prompt opens with
         `token_id` get that first token's KV from here instead of from the conversion (see
-        load()). save() registers the first token of every prompt a model saves of its own."""
-        self._remember_start(spec, _args.size("token_id", token_id), host_kv(kv), replace=True)
-
-    def _remember_start(self, spec: _core.ModelSpec, token_id: int, pairs: Any,
-                        replace: bool = False) -> None:
-        key = (spec.fingerprint, token_id)
-        with self._lock:
-            if key in self._starts and not replace:
-                return
+        load()). save() registers the first token of every prompt a model saves of its own. The
+        registry is the native Bridge's (include/kvbridge/bridge.h, "The start token")."""
+        token_id = _args.size("token_id", token_id)
+        pairs = host_kv(kv)
         if len(pairs) != spec.num_layers:
             raise _core.InvalidArgumentError(f"kv: expected {spec.num_layers} layers, got {len(pairs)}")
-        first = tuple((k[:, :, :1].detach().to("cpu", copy=True),
-                       v[:, :, :1].detach().to("cpu", copy=True)) for k, v in pairs)
-        with self._lock:
-            self._starts[key] = first
+        # The first token in the model's dtype, as loads return it.
+        dtype = _TORCH_DTYPES[spec.dtype]
+        first = [(k[:, :, :1].detach().to(dtype), v[:, :, :1].detach().to(dtype))
+                 for k, v in pairs]
+        keys, values = kv_views(first)
+        self._native.add_start(spec, token_id, keys, values)
 
-    def _own_start(self, spec: _core.ModelSpec, ids: Any, kv: KVCache) -> KVCache:
-        """kv with its first token's KV the model's own (add_start), where one is known."""
-        with self._lock:
-            start = self._starts.get((spec.fingerprint, int(ids[0])))
-        if start is None:
+    def _own_start(self, spec: _core.ModelSpec, ids: Any, kv: Any) -> Any:
+        """kv (one (keys, values) pair per layer, any device, written in place) with its first
+        token's KV the model's own where one is registered for ids[0] (add_start). load() gets
+        this from the native load; loads that convert elsewhere (kvbridge.vllm.device_load) call
+        this."""
+        start = empty_kv(spec, 1)
+        keys, values = kv_views(start)
+        if not self._native.copy_start(spec, int(ids[0]), keys, values):
             return kv
         for (k, v), (sk, sv) in zip(kv, start):
             k[:, :, :1] = sk.to(k.dtype)
@@ -318,7 +313,8 @@ class Bridge:
         other than a str) is logged (logger kvbridge.bridge), counted in
         stats()["tokenizer_errors"] and left out: the load goes on without it (the model's own
         cache and same-tokenizer adapters still serve it). That text is tokenized with each source's registered
-        tokenizer, the source's cached prefix is found, and the longest target prefix whose
+        tokenizer (here, before the native load, which then runs without the GIL and calls
+        nothing back), the source's cached prefix is found, and the longest target prefix whose
         tokens all have an aligned source token in it and whose text it covers is converted
         (include/kvbridge/bridge.h, the load overload with tokenizations) and written back.
 
@@ -340,9 +336,7 @@ class Bridge:
         if found.tokens and return_kv:
             kv = empty_kv(spec, found.tokens)
             keys, values = kv_views(kv)
-            found.copy_to(keys, values)
-            if found.adapter:
-                kv = self._own_start(spec, ids, kv)
+            found.copy_to(keys, values)  # with the model's own start token (add_start)
             if model is not None and self._exact_layers and found.adapter:
                 from kvbridge import exact
 
@@ -355,15 +349,19 @@ class Bridge:
                     found.quality, found.converted_from, found.adapter, found.recompute_tail)
 
     def _across(self, spec: _core.ModelSpec, ids: Any):
-        """(target tokenization, source tokenize callback) for a load across tokenizers, or None
-        when `spec` has no registered tokenizer or no adapter to it comes from another one."""
+        """(target tokenization, source tokenizations by tokenizer id) for a load across
+        tokenizers, or None when `spec` has no registered tokenizer or no adapter to it comes
+        from another one. Everything is tokenized here, before the native load, which calls
+        nothing back: the text under each registered source tokenizer of an adapter to `spec`
+        that the load may use (quality >= min_quality, enabled)."""
         with self._lock:
             known = self._tokenizers.get(spec.name)
             if known is None or known[0] != spec.tokenizer:
                 return None  # the common case: nothing more to look at on this load
             by_id = {tid: tok for tid, tok in self._tokenizers.values()}
-        if not any(a.target.fingerprint == spec.fingerprint
-                   and a.source.tokenizer != spec.tokenizer for a in self.adapters()):
+        across = [a for a in self.adapters() if a.target.fingerprint == spec.fingerprint
+                  and a.source.tokenizer != spec.tokenizer]
+        if not across:
             return None
         tokenizer = known[1]
         prompt = [int(i) for i in ids]
@@ -373,21 +371,22 @@ class Bridge:
             self._tokenizer_error(spec.tokenizer, tokenizer, e)
             return None
         raw = text.encode("utf-8")
-
-        def tokenize(tokenizer_id: str):
+        enabled = {h["adapter"]: h["enabled"] for h in self._native.adapter_health()}
+        wanted = [a.source.tokenizer for a in across
+                  if enabled.get(a.fingerprint) and Bridge.quality(a) >= self.min_quality]
+        sources = {}
+        for tokenizer_id in dict.fromkeys(wanted):  # registration order, each id once
             source = by_id.get(tokenizer_id)
             if source is None:
-                return None
+                continue
             try:
                 sids, offsets, roles = token_offsets(source, text)
                 # Only the tokens whose byte ranges hold their own text (see _verified_prefix).
                 k = _spans_hold_their_text(source, sids, offsets, roles, raw, tokenizer_id)
-                return _tokenization(sids[:k], offsets[:k], roles[:k])
+                sources[tokenizer_id] = _tokenization(sids[:k], offsets[:k], roles[:k])
             except Exception as e:  # one broken source tokenizer leaves the others usable
                 self._tokenizer_error(tokenizer_id, source, e)
-                return None
-
-        return target, tokenize
+        return target, sources
 
     def _tokenizer_error(self, tokenizer_id: str, tokenizer: Any, error: Exception) -> None:
         with self._lock:
@@ -397,21 +396,25 @@ class Bridge:
                     type(error).__name__, error)
 
     def stats(self) -> dict:
-        """Counters and times: see BridgeStats in include/kvbridge/bridge.h; and
+        """Counters and times: see BridgeStats in include/kvbridge/bridge_stats.h; and
         "tokenizer_errors", the tokenizer failures loads across tokenizers went on without."""
         out = self._native.stats()
         with self._lock:
             out["tokenizer_errors"] = self._tokenizer_errors
         return out
 
-    def metrics(self) -> str:
-        """The stats in Prometheus text format (kvbridge_bridge_* families)."""
-        return self._native.prometheus_text()
+    def metrics_text(self) -> str:
+        """The stats in Prometheus text format (kvbridge_bridge_* families): the name
+        KVStore.metrics_text has for the store's."""
+        return self._native.metrics_text()
 
-    prometheus_text = metrics
+    # Earlier names of metrics_text, kept for their callers (kvbridge.monitor and the vLLM
+    # shadow worker call metrics()).
+    metrics = metrics_text
+    prometheus_text = metrics_text
 
 
-#: The native options: (name, type, default, doc) per field of BridgeOptions (bridge.h).
+#: The native options: (name, type, default, doc) per field of BridgeOptions (bridge_options.h).
 _OPTIONS = _core.Bridge.OPTIONS
 #: The argument check (kvbridge._args) for each option type; int options are counts.
 _OPTION_CHECKS = {"float": _args.number, "bool": _args.flag, "int": _args.size}

@@ -14,7 +14,7 @@ namespace kvbridge::python {
 
 namespace {
 
-// One key per row of KVBRIDGE_BRIDGE_STATS (bridge.h).
+// One key per row of KVBRIDGE_BRIDGE_STATS (bridge_stats.h).
 py::dict stats_dict(const BridgeStats& from) {
   py::dict d;
 #define KVBRIDGE_DICT_ITEM_(type, member, metric, kind, help) d[#member] = from.member;
@@ -79,7 +79,7 @@ void bind_bridge(py::module_& m) {
           py::arg("keys"), py::arg("values"));
 
   // The constructor's keyword arguments (after the store), their defaults (BridgeOptions{}'s)
-  // and the read-only properties, one per row of KVBRIDGE_BRIDGE_OPTIONS (bridge.h).
+  // and the read-only properties, one per row of KVBRIDGE_BRIDGE_OPTIONS (bridge_options.h).
 #define KVBRIDGE_OPTION_PARAM_(type, member, default_value, doc) , type member
 #define KVBRIDGE_OPTION_SET_(type, member, default_value, doc) o.member = member;
 #define KVBRIDGE_OPTION_ARG_(type, member, default_value, doc) \
@@ -175,25 +175,38 @@ void bind_bridge(py::module_& m) {
       .def(
           "load_across",
           [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const py::handle& target,
-             const py::function& tokenize, const std::string& ns) {
+             const py::dict& sources, const std::string& ns) {
             const PyTokens ids(tokens);
             const TokenSpan span = ids.span();
             const Tokenization target_text = tokenization(target);
-            // Called by the library on this thread; a Python exception propagates out of load.
-            const TokenizeText source_text = [&tokenize](const std::string& id, Tokenization& out) {
-              py::gil_scoped_acquire gil;
-              const py::object got = tokenize(id);
-              if (got.is_none()) return false;
-              out = tokenization(got);
-              return true;
-            };
+            SourceTokenizations source_texts;
+            for (const auto& [id, text] : sources)
+              source_texts.emplace(id.cast<std::string>(), tokenization(text));
             py::gil_scoped_release release;
-            return b.load(spec, span, target_text, source_text, ns);
+            return b.load(spec, span, target_text, source_texts, ns);
           },
-          py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("tokenize"),
+          py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("sources"),
           py::arg("namespace"))
+      .def(
+          "add_start",
+          [](Bridge& b, const ModelSpec& spec, int64_t token_id,
+             const std::vector<TensorView>& keys, const std::vector<TensorView>& values) {
+            const KVView kv = KVView::from_hf_layers(keys, values);
+            py::gil_scoped_release release;
+            b.add_start(spec, token_id, kv);
+          },
+          py::arg("spec"), py::arg("token_id"), py::arg("keys"), py::arg("values"))
+      .def(
+          "copy_start",
+          [](const Bridge& b, const ModelSpec& spec, int64_t token_id,
+             const std::vector<TensorView>& keys, const std::vector<TensorView>& values) {
+            const KVView dst = KVView::from_hf_layers(keys, values);
+            py::gil_scoped_release release;
+            return b.copy_start(spec, token_id, dst);
+          },
+          py::arg("spec"), py::arg("token_id"), py::arg("keys"), py::arg("values"))
       .def("stats", [](const Bridge& b) { return stats_dict(b.stats()); })
-      .def("prometheus_text", &Bridge::prometheus_text);
+      .def("metrics_text", &Bridge::metrics_text);
 
   // Bridge.OPTIONS: ((name, type, default, doc), ...) in the table's order, for the Python
   // wrapper (kvbridge.Bridge takes its options from it) and the stub check.

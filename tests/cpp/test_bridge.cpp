@@ -442,17 +442,11 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
 
   std::vector<int64_t> prompt = target.ids;
   prompt.push_back(9);  // past the verified text
-  int calls = 0;
-  const TokenizeText tokenize = [&](const std::string& id, Tokenization& out) {
-    ++calls;
-    EXPECT_EQ(id, "tok-a");
-    out = source;
-    return true;
-  };
+  // The caller tokenized the text under the source's tokenizer before the call.
+  const SourceTokenizations sources{{"tok-a", source}};
   // The plain load never uses an adapter across tokenizers.
   EXPECT_FALSE(bridge.load(t, prompt));
-  const Load hit = bridge.load(t, prompt, target, tokenize);
-  EXPECT_EQ(calls, 1);
+  const Load hit = bridge.load(t, prompt, target, sources);
   ASSERT_TRUE(hit);
   EXPECT_TRUE(hit.converted());
   EXPECT_EQ(hit.tokens(), 5);
@@ -474,7 +468,7 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   bridge2.add_adapter(adapter);
   std::vector<int64_t> first7(source.ids.begin(), source.ids.begin() + 7);
   bridge2.save(s, first7, src.view().slice_tokens(0, 7));
-  const Load part = bridge2.load(t, prompt, target, tokenize);
+  const Load part = bridge2.load(t, prompt, target, sources);
   EXPECT_EQ(part.tokens(), 3);
   // (A 3-token GEMM against the 5-token one: equal up to float32 rounding.)
   EXPECT_LT(max_rel_diff(load_kv(part, t), token_range(want, t, 5, 0, 3)), 1e-6);
@@ -483,16 +477,98 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   Bridge bridge3(store3, bo);
   bridge3.add_adapter(adapter);
   bridge3.save(s, source.ids, src.view());
-  EXPECT_FALSE(bridge3.load(t, prompt, target, [](const std::string&, Tokenization&) {
-    return false;
-  }));
+  EXPECT_FALSE(bridge3.load(t, prompt, target, SourceTokenizations{}));
+  EXPECT_FALSE(bridge3.load(t, prompt, target, SourceTokenizations{{"tok-other", source}}));
   // A target tokenization that is not a prefix of the prompt, or malformed, is refused.
   Tokenization wrong = target;
   wrong.ids[2] = 555;
-  EXPECT_THROW(bridge3.load(t, prompt, wrong, tokenize), InvalidArgument);
+  EXPECT_THROW(bridge3.load(t, prompt, wrong, sources), InvalidArgument);
   wrong = target;
   wrong.spans.pop_back();
-  EXPECT_THROW(bridge3.load(t, prompt, wrong, tokenize), InvalidArgument);
+  EXPECT_THROW(bridge3.load(t, prompt, wrong, sources), InvalidArgument);
+  // So is a malformed source tokenization.
+  wrong = source;
+  wrong.roles.pop_back();
+  EXPECT_THROW(bridge3.load(t, prompt, target, SourceTokenizations{{"tok-a", wrong}}),
+               InvalidArgument);
+}
+
+// Token `pos` of a dense [layers, 2, tokens, heads, dim] vector replaced by the one-token `one`.
+std::vector<float> with_token(std::vector<float> kv, const ModelSpec& s, int64_t tokens,
+                              int64_t pos, const std::vector<float>& one) {
+  const int64_t row = s.num_kv_heads * s.head_dim;
+  for (int64_t p = 0; p < 2 * s.num_layers; ++p)
+    std::copy(one.begin() + p * row, one.begin() + (p + 1) * row,
+              kv.begin() + (p * tokens + pos) * row);
+  return kv;
+}
+
+// The start token: a load holding converted KV takes the target's own KV of its first token
+// where one is registered (a save of the target's own, or add_start), now and as a native hit
+// on the written-back entries; without one, the converted KV stays at position 0.
+TEST_F(BridgeTest, ConvertedLoadsTakeTheTargetsOwnStartToken) {
+  KVStore store(store_options());
+  Bridge bridge(store);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(53, 21);
+  FloatKV src(*src_, 53, 1);
+  src.randomize(31);
+  bridge.save(*src_, tokens, src.view());
+  const std::vector<float> conv = converted(**good_, src.view().slice_tokens(0, 48), 0, false);
+  std::vector<float> one(static_cast<size_t>(2 * tgt_->num_layers * tgt_->num_kv_heads *
+                                             tgt_->head_dim));
+  const KVView one_view = KVView::contiguous(one.data(), DType::kFloat32, {}, tgt_->num_layers,
+                                             1, tgt_->num_kv_heads, tgt_->head_dim);
+  EXPECT_FALSE(bridge.copy_start(*tgt_, tokens[0], one_view));
+
+  // Without a registered start token: the conversion everywhere (and it is written back).
+  KVStore plain_store(store_options());
+  Bridge plain(plain_store);
+  plain.add_adapter(*good_);
+  plain.save(*src_, tokens, src.view());
+  EXPECT_EQ(load_kv(plain.load(*tgt_, tokens), *tgt_), conv);
+
+  // The target's own prefill of another prompt opening with the same token registers it.
+  auto other = testing::random_tokens(20, 22);
+  other[0] = tokens[0];
+  FloatKV own(*tgt_, 20, 2);
+  own.randomize(32);
+  EXPECT_EQ(bridge.save(*tgt_, other, own.view()), 16);
+  const std::vector<float> own_first = dense(own.view().slice_tokens(0, 1));
+  ASSERT_NE(own_first, token_range(conv, *tgt_, 48, 0, 1));
+  ASSERT_TRUE(bridge.copy_start(*tgt_, tokens[0], one_view));
+  EXPECT_EQ(one, own_first);
+  const std::vector<float> want = with_token(conv, *tgt_, 48, 0, own_first);
+  const Load first = bridge.load(*tgt_, tokens);
+  ASSERT_TRUE(first.converted());
+  EXPECT_EQ(load_kv(first, *tgt_), want);
+  // The written-back entries keep the conversion's first token; the native hit on them (its
+  // provenance names the adapter) takes the target's own again.
+  const Load second = bridge.load(*tgt_, tokens);
+  ASSERT_FALSE(second.converted());
+  ASSERT_FALSE(second.adapter().empty());
+  EXPECT_EQ(load_kv(second, *tgt_), want);
+  Match stored = store.match(*tgt_, tokens);
+  ASSERT_EQ(stored.tokens(), 48);
+  std::vector<float> entries(conv.size());
+  stored.copy_range_to(0, KVView::contiguous(entries.data(), DType::kFloat32, {},
+                                             tgt_->num_layers, 48, tgt_->num_kv_heads,
+                                             tgt_->head_dim));
+  EXPECT_EQ(entries, conv);
+  // A later save of the target's own does not replace it; add_start does.
+  FloatKV again(*tgt_, 20);
+  again.randomize(33);
+  auto other2 = testing::random_tokens(20, 23);
+  other2[0] = tokens[0];
+  bridge.save(*tgt_, other2, again.view());
+  EXPECT_EQ(load_kv(bridge.load(*tgt_, tokens), *tgt_), want);
+  bridge.add_start(*tgt_, tokens[0], again.view());
+  EXPECT_EQ(load_kv(bridge.load(*tgt_, tokens), *tgt_),
+            with_token(conv, *tgt_, 48, 0, dense(again.view().slice_tokens(0, 1))));
+  // The target's own entries are served as stored.
+  EXPECT_EQ(load_kv(bridge.load(*tgt_, other), *tgt_), dense(own.view().slice_tokens(0, 16)));
+  EXPECT_THROW(bridge.add_start(*src_, tokens[0], again.view()), InvalidArgument);
+  EXPECT_THROW(bridge.add_start(*tgt_, -1, again.view()), InvalidArgument);
 }
 
 TEST_F(BridgeTest, LastTokenIsNeverReturned) {
@@ -597,7 +673,7 @@ TEST_F(BridgeTest, PrometheusTextNamesEveryCounter) {
   bridge.load(*tgt_, tokens);
   bridge.load(*tgt_, tokens);
   bridge.load(*src2_, tokens);
-  const std::string text = bridge.prometheus_text();
+  const std::string text = bridge.metrics_text();
   for (const char* line :
        {"kvbridge_bridge_saves_total 1\n", "kvbridge_bridge_loads_total 3\n",
         "kvbridge_bridge_native_hits_total 1\n", "kvbridge_bridge_converted_hits_total 1\n",
@@ -991,7 +1067,7 @@ TEST_F(BridgeTest, ChecksUnderTheFloorDisableTheAdapter) {
   EXPECT_EQ(s.quality_checks, 9);
   EXPECT_EQ(s.quality_disables, 1);
   EXPECT_EQ(s.conversions, 1);
-  const std::string text = bridge.prometheus_text();
+  const std::string text = bridge.metrics_text();
   const std::string labels = "{adapter=\"" + fp + "\",source=\"src\",target=\"tgt\"}";
   for (const std::string& line : std::vector<std::string>{
            "kvbridge_bridge_adapters_disabled 1\n", "kvbridge_bridge_quality_checks_total 9\n",

@@ -259,7 +259,7 @@ def test_metrics_and_device(good):
     assert bridge.load(TGT, ids, return_kv=False).kv is None
     bridge.load(SRC2, ids)
     text = bridge.metrics()
-    assert text == bridge.prometheus_text()
+    assert text == bridge.metrics_text() == bridge.prometheus_text()
     lines = dict(l.rsplit(" ", 1) for l in text.splitlines() if not l.startswith("#"))
     assert lines["kvbridge_bridge_loads_total"] == "3"
     assert lines["kvbridge_bridge_native_hits_total"] == "1"

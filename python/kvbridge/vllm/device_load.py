@@ -25,9 +25,10 @@ a source prefix: that candidate is skipped), a conversion whose output holds a N
 infinity is not used (the load falls back to the native prefix), and neither is one whose
 adapter the Bridge dropped while it converted.
 
-Like ``Bridge.load``, a load holding KV that is not the model's own prefill takes the first
-token's KV from the model's own where the Bridge knows it (``Bridge.add_start``; the connector's
-Bridge learns it from the engine's own saves).
+Like ``Bridge.load`` (whose native load applies the rule, include/kvbridge/bridge.h), a load
+holding KV that is not the model's own prefill takes the first token's KV from the model's own
+where the Bridge knows it (``Bridge.add_start``; the connector's Bridge learns it from the
+engine's own saves): it asks the Bridge's native registry through ``Bridge._own_start``.
 
 It writes nothing back, like the connector's ``Bridge`` (built with ``write_back=False``): the
 connector saves the request's blocks afterwards, in the background, with the provenance this
