@@ -114,8 +114,34 @@ def hide_llvmlite_from_kernel_scan():
     dispatcher._rebind_kernels = wrapped
 
 
+#: Seconds LMCache's worker-side hooks take inside the engine step, by hook name.
+LMCACHE_STEP_S = {}
+
+
+def time_lmcache_hooks():
+    """Wraps the worker-side hooks of LMCache's connector with wall-time sums (LMCACHE_STEP_S),
+    as kvbridge's own timers time its (save_copy_seconds: wait_for_save; load_seconds)."""
+    from lmcache.integration.vllm import lmcache_mp_connector as m
+
+    cls = m.LMCacheMPConnector
+    for name in ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+                 "get_finished"):
+        fn = getattr(cls, name, None)
+        if fn is None:
+            continue
+
+        def timed(self, *a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(self, *a, **k)
+            finally:
+                LMCACHE_STEP_S[_name] = LMCACHE_STEP_S.get(_name, 0.0) + time.perf_counter() - t
+        setattr(cls, name, timed)
+
+
 def engine_main(cfg_path, out_path):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The engine core in this process: the connector object, its stats and flush() reachable,
     # and time.process_time() covers the engine's work and the connector's threads.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -136,6 +162,7 @@ def engine_main(cfg_path, out_path):
             kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
     elif conn_kind == "lmcache":
+        time_lmcache_hooks()
         opts["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheMPConnector", kv_role="kv_both",
             kv_connector_extra_config={"lmcache.mp.host": "tcp://localhost",
@@ -189,6 +216,8 @@ def engine_main(cfg_path, out_path):
             time.sleep(0.01)
 
     def kvb_stats():
+        if conn_kind == "lmcache":
+            return {"lmc_" + k: v for k, v in LMCACHE_STEP_S.items()}
         return conn.stats() if conn_kind == "kvbridge" else {}
 
     def ttft(text):
@@ -217,13 +246,17 @@ def engine_main(cfg_path, out_path):
                 row["reset_tries"] = reset_prefix_cache()
                 row["store_wait_s"] = time.monotonic() - t_end
                 s1 = kvb_stats()
-                if s1:
+                if conn_kind == "lmcache":
+                    row["lmc_step_save_s"] = {k: v - s0.get(k, 0.0) for k, v in s1.items()}
+                if conn_kind == "kvbridge":
                     row["kvb_save_copy_s"] = s1["save_copy_seconds"] - s0["save_copy_seconds"]
                     row["kvb_save_s"] = s1["save_seconds"] - s0["save_seconds"]
                     row["kvb_tokens_saved"] = s1["tokens_saved"] - s0["tokens_saved"]
                 row["warm_ttft_s"], row["warm_cached"], _ = ttft(text)
                 s2 = kvb_stats()
-                if s2:
+                if conn_kind == "lmcache":
+                    row["lmc_step_load_s"] = {k: v - s1.get(k, 0.0) for k, v in s2.items()}
+                if conn_kind == "kvbridge":
                     row["kvb_tokens_loaded"] = s2["tokens_loaded"] - s1["tokens_loaded"]
                     row["kvb_load_s"] = s2["load_seconds"] - s1["load_seconds"]
                     row["kvb_lookup_s"] = s2["lookup_seconds"] - s1["lookup_seconds"]
@@ -232,7 +265,9 @@ def engine_main(cfg_path, out_path):
             s0 = kvb_stats()
             row["warm_ttft_s"], row["warm_cached"], row["prompt_tokens"] = ttft(text)
             s1 = kvb_stats()
-            if s1:
+            if conn_kind == "lmcache":
+                row["lmc_step_load_s"] = {k: v - s0.get(k, 0.0) for k, v in s1.items()}
+            if conn_kind == "kvbridge":
                 row["kvb_tokens_loaded"] = s1["tokens_loaded"] - s0["tokens_loaded"]
                 row["kvb_loads_converted"] = s1["loads_converted"] - s0["loads_converted"]
                 row["kvb_load_s"] = s1["load_seconds"] - s0["load_seconds"]
@@ -401,6 +436,20 @@ def spread(xs, scale=1.0, fmt="{:.0f}"):
                              if len(xs) > 1 else ""))
 
 
+def store_seconds(conn, row):
+    """A prompt's store time: the connector's save work inside the engine step (kvbridge's copy
+    out of the paged cache; LMCache's save_kv_layer + wait_for_save, which hands the blocks to
+    its server) plus the wait after the request until it is stored (kvbridge's background put;
+    LMCache's remaining completion). None where the LMCache hooks were not timed."""
+    if conn == "kvbridge":
+        return row["kvb_save_copy_s"] + row["stored_s"]
+    hooks = row.get("lmc_step_save_s")
+    if hooks is None:
+        return None
+    return (hooks.get("lmc_wait_for_save", 0.0) + hooks.get("lmc_save_kv_layer", 0.0)
+            + row["stored_s"])
+
+
 def summarize(results, lengths):
     """Per connector and length: lists over repeats of each figure."""
     out = {}
@@ -421,7 +470,7 @@ def summarize(results, lengths):
                 if conn != "none":
                     fig["warm_same_ttft_s"].append(ra["warm_ttft_s"])
                     fig["served_same"].append(ra["warm_cached"])
-                    fig["store_s"].append(ra["stored_s"])
+                    fig["store_s"].append(store_seconds(conn, ra))
                     fig["stored_s"].append(ra.get("kvb_save_s", ra["store_wait_s"]))
                     fig["reset_tries"].append(ra["reset_tries"])
                     fig["kvb_loaded_same"].append(ra.get("kvb_tokens_loaded"))
@@ -458,7 +507,8 @@ def report(results, lengths):
     lines = []
     w = lines.append
     w("| prompt tokens | connector | cold TTFT ms | warm TTFT ms, same engine | warm TTFT ms, "
-      "new engine | tokens from the connector (same / new) | store ms per prompt |")
+      "new engine | tokens from the connector (same / new) | store ms per prompt (in step + "
+      "after) |")
     w("|---:|---|---:|---:|---:|---|---:|")
     for L in lengths:
         for conn in ("none", "kvbridge", "lmcache"):
@@ -490,13 +540,41 @@ def report(results, lengths):
             a, b = med(k[key]), med(m[key])
             parts.append(f"{label} {a / b:.2f}" if a is not None and b else f"{label} -")
         w(f"- {L} tokens: " + ", ".join(parts))
-    a, b = med(per_conn["kvbridge"]["cpu_ms_per_token"]), med(per_conn["lmcache"]["cpu_ms_per_token"])
+    a, b = (med(per_conn["kvbridge"]["cpu_ms_per_token"]),
+            med(per_conn["lmcache"]["cpu_ms_per_token"]))
     if a and b:
         w(f"- CPU per generated token {a / b:.2f}")
     a, b = (med(per_conn["kvbridge"]["mem_bytes_per_token"]),
             med(per_conn["lmcache"]["mem_bytes_per_token"]))
     if a and b:
         w(f"- memory per cached token {a / b:.2f}")
+    w("")
+    w("Connector time per prompt, ms (median over repeats): kvbridge's own timers (copy out of "
+      "the paged cache in the engine step; the store put on its background thread; the load in "
+      "the engine step, new engine) and LMCache's worker hooks in the engine step, timed by "
+      "this script (save_kv_layer + wait_for_save + get_finished of the cold request; "
+      "start_load_kv + wait_for_layer_load + get_finished of the warm request, new engine):")
+    w("")
+    w("| prompt tokens | kvbridge save, in step | kvbridge save, background | kvbridge load, "
+      "in step | LMCache save, in step | LMCache load, in step |")
+    w("|---:|---:|---:|---:|---:|---:|")
+    for L in lengths:
+        k = str(L)
+        cols = {"ksc": [], "ks": [], "kl": [], "ls": [], "ll": []}
+        for rep in results["repeats"]:
+            a, b = rep.get("kvbridge-A"), rep.get("kvbridge-B")
+            if a and k in a["lengths"]:
+                cols["ksc"].append(a["lengths"][k].get("kvb_save_copy_s"))
+                cols["ks"].append(a["lengths"][k].get("kvb_save_s"))
+            if b and k in b["lengths"]:
+                cols["kl"].append(b["lengths"][k].get("kvb_load_s"))
+            a, b = rep.get("lmcache-A"), rep.get("lmcache-B")
+            if a and k in a["lengths"] and "lmc_step_save_s" in a["lengths"][k]:
+                cols["ls"].append(sum(a["lengths"][k]["lmc_step_save_s"].values()))
+            if b and k in b["lengths"] and "lmc_step_load_s" in b["lengths"][k]:
+                cols["ll"].append(sum(b["lengths"][k]["lmc_step_load_s"].values()))
+        w(f"| {L} | " + " | ".join(spread(cols[c], 1e3) for c in ("ksc", "ks", "kl", "ls", "ll"))
+          + " |")
     conv = results.get("converted")
     if conv:
         w("")
@@ -543,6 +621,10 @@ def main():
         print(f"load average before {done['load_before']}, after {done.get('load_after')}\n")
         print(report(done, done["lengths"]))
         return
+    # One OpenMP thread in every engine and in LMCache's server (they inherit it): on a small
+    # shared machine a second thread makes every parallel op wait at a barrier for a core that
+    # other processes hold (measured: a 256-token load 280 ms with vLLM's default, 9 ms with one).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from kvbridge import models
 
     smol = str(models.models_dir() / "smollm2-135m")
@@ -552,8 +634,9 @@ def main():
             raise SystemExit(f"{path} is not converted: see benchmarks/README.md")
     lengths = [int(x) for x in args.lengths.split(",")]
     long_repeats = args.repeats if args.long_repeats is None else args.long_repeats
-    work = args.work or tempfile.mkdtemp(prefix="vs-lmcache-")
-    os.makedirs(work, exist_ok=True)
+    if args.work:  # a fresh folder inside: an earlier sitting's stores must not serve this one
+        os.makedirs(args.work, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="vs-lmcache-", dir=args.work)
     if not args.skip_converted:
         ensure_adapter(args.adapter, smol, gemma)
     prompts, decode = make_prompts(smol, lengths, args.repeats)
