@@ -31,13 +31,13 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from kvbridge.vllm import connector as kc
+    from kvbridge.vllm import worker
 
     with open(args.config) as f:
         cfg = json.load(f)
     vs_lmcache.hide_llvmlite_from_kernel_scan()
     prof = cProfile.Profile()
-    load_op = kc.KVBridgeConnector.load_op
+    load_op = worker.WorkerSide.load_op
     walls = []
 
     def profiled(self, op):
@@ -49,7 +49,7 @@ def main():
             prof.disable()
             walls.append(time.perf_counter() - t)
 
-    kc.KVBridgeConnector.load_op = profiled
+    worker.WorkerSide.load_op = profiled
     llm = LLM(model=cfg["model"], dtype="float32", block_size=vs_lmcache.BLOCK_SIZE,
               max_model_len=cfg["max_model_len"], enforce_eager=True, enable_prefix_caching=True,
               max_num_seqs=16, seed=0, kv_transfer_config=KVTransferConfig(
