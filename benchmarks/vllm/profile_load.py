@@ -1,4 +1,4 @@
-"""Profiles kvbridge's load in the engine step (KVBridgeConnector.load_op, cProfile) for the
+"""Profiles kvbridge's load in the engine step (kvbridge.vllm.worker.WorkerSide.load_op, cProfile) for the
 prompts a vs_lmcache.py sitting saved: a new SmolLM2 engine on that sitting's kvbridge store
 serves each prompt once, as vs_lmcache.py's engine B does.
 
