@@ -1,6 +1,6 @@
 """Profiles kvbridge's load in the engine step (kvbridge.vllm.worker.WorkerSide.load_op,
-cProfile) for the prompts a vs_lmcache.py sitting saved: a new SmolLM2 engine on that sitting's kvbridge store
-serves each prompt once, as vs_lmcache.py's engine B does.
+cProfile) for the prompts a vs_lmcache.py sitting saved: a new SmolLM2 engine on that
+sitting's kvbridge store serves each prompt once, as vs_lmcache.py's engine B does.
 
     .venv-lmcache/bin/python benchmarks/vllm/profile_load.py WORK/r2-kvbridge-B.json [--top 25]
 
