@@ -13,7 +13,7 @@ Bridge's options): loads stop converting with it, so the model prefills itself, 
 written-back entries are purged. The event is logged (logger ``kvbridge.monitor``, WARNING) and
 counted (``stats()["quality_disables"]``, Prometheus ``kvbridge_bridge_quality_disables_total``);
 ``monitor.enable(adapter)`` (or ``Bridge.enable_adapter``) re-enables it. ``stats()`` returns the
-per-adapter figures; ``metrics()`` the Bridge's Prometheus text, which carries them labelled by
+per-adapter figures; ``metrics_text()`` the Bridge's Prometheus text, which carries them labelled by
 adapter fingerprint.
 
 Shadow checks run in the calling thread, after the load and before ``load()`` returns (one own
@@ -160,9 +160,11 @@ class QualityMonitor:
         out["adapters"] = {h["adapter"]: h for h in self.bridge.adapter_health()}
         return out
 
-    def metrics(self) -> str:
+    def metrics_text(self) -> str:
         """The Bridge's Prometheus text (per-adapter figures included)."""
-        return self.bridge.metrics()
+        return self.bridge.metrics_text()
+
+    metrics = metrics_text  # the earlier name
 
 
 __all__: List[str] = ["AdapterQualityError", "Check", "QualityMonitor", "compare",

@@ -163,7 +163,8 @@ def test_monitor_disables_a_damaged_adapter_within_min_checks(pair, damaged, pro
     b = bridge.stats()
     assert b["adapters_disabled"] == 1 and b["quality_disables"] == 1
     assert b["adapters_skipped_disabled"] >= len(prompts) - 4
-    assert f'kvbridge_bridge_adapter_enabled{{adapter="{damaged.fingerprint}"' in mon.metrics()
+    assert f'kvbridge_bridge_adapter_enabled{{adapter="{damaged.fingerprint}"' in mon.metrics_text()
+    assert mon.metrics() == mon.metrics_text()
     assert mon.enable(damaged)
     assert mon.load(pair.target.spec, prompts[0]).converted
 

@@ -291,7 +291,7 @@ def run(tmp_path_factory):
     r["bad_catch"] = sc.generate(token_prompts(bad[MIN_CHECKS - 1:MIN_CHECKS]), params,
                                  use_tqdm=False)
     r["after_catch"] = sc.stats()
-    r["metrics"] = sc.metrics()
+    r["metrics"] = sc.metrics_text()
     r["fallback"] = sc.generate(token_prompts(bad[MIN_CHECKS:] + bad[:1]), params,
                                 use_tqdm=False)
     # the model's own prefill of the same prompts (another tenant: nothing to load)

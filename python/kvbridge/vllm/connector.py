@@ -26,7 +26,7 @@ finished request that ran a load reports ``{"kvbridge": {"namespace", "start", "
 "converted", "adapter"}}`` in its output's kv_transfer_params (tokens [start, start +
 tokens_loaded) were loaded; adapter: the fingerprint behind converted or written-back tokens,
 "" for the model's own KV). ``record_checks`` records shadow checks in the Bridge, which
-disables an adapter below its floor; ``stats()`` and ``metrics()`` give the figures.
+disables an adapter below its floor; ``stats()`` and ``metrics_text()`` give the figures.
 """
 from __future__ import annotations
 
@@ -132,11 +132,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
         out["adapters"] = {h["adapter"]: h for h in self._shared.bridge.adapter_health()}
         return out
 
-    def metrics(self) -> str:
-        """The Bridge's stats in Prometheus text format (``Bridge.metrics``: kvbridge_bridge_*
-        families, with the per-adapter health). The connector's own counters reach Prometheus
-        through vLLM's metrics (``vllm:kvbridge_<name>``, ``build_prom_metrics``)."""
-        return self._shared.bridge.metrics()
+    def metrics_text(self) -> str:
+        """The Bridge's stats in Prometheus text format (``Bridge.metrics_text``:
+        kvbridge_bridge_* families, with the per-adapter health). The connector's own counters
+        reach Prometheus through vLLM's metrics (``vllm:kvbridge_<name>``,
+        ``build_prom_metrics``)."""
+        return self._shared.bridge.metrics_text()
+
+    metrics = metrics_text  # the earlier name
 
     def record_checks(self, checks: List[Tuple[str, Any]]) -> List[str]:
         """Records shadow checks, (adapter fingerprint, kvbridge.monitor.Check) pairs, in the

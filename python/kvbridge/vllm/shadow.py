@@ -32,7 +32,7 @@ Bridge purges the entries it wrote back. ``enable(fingerprint)`` re-enables an a
 Cost: two extra one-token requests per sampled request (about two prompt prefills' compute,
 prompts of the sampled requests only). Figures: ``stats()`` (this object's counts, the
 connector's counters with ``"adapters"``: Bridge.adapter_health by fingerprint) and
-``metrics()`` (the Bridge's Prometheus text with the per-adapter families).
+``metrics_text()`` (the Bridge's Prometheus text with the per-adapter families).
 
 KL from top-k logprobs is a lower bound (the tokens outside both top-k lists pooled into one
 bucket); it is exact when the twins get the whole vocabulary (``logprobs=-1``, which needs the
@@ -154,7 +154,7 @@ class ShadowWorkerExtension:
         return _plain(_connector().stats())
 
     def kvbridge_metrics(self) -> str:
-        return _connector().metrics()
+        return _connector().metrics_text()
 
 
 class ShadowChecks:
@@ -364,10 +364,12 @@ class ShadowChecks:
         out["connector"] = self.llm.collective_rpc("kvbridge_stats")[0]
         return out
 
-    def metrics(self) -> str:
+    def metrics_text(self) -> str:
         """The worker Bridge's Prometheus text (kvbridge_bridge_*, per-adapter families with
         an adapter="<fingerprint>" label)."""
         return self.llm.collective_rpc("kvbridge_metrics")[0]
+
+    metrics = metrics_text  # the earlier name
 
 
 def _as_floats(step: Optional[Mapping[int, Any]]) -> Dict[int, float]:
