@@ -40,9 +40,8 @@ import os
 import pathlib
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 import kvbridge
@@ -154,6 +153,49 @@ def with_own_start(kv: KVCache, start: KVCache) -> KVCache:
     return tuple(out)
 
 
+@dataclass
+class HeldOutWindow:
+    """One held-out window as every scorer takes it: the target's ids, the prompt length p (the
+    cache holds ids[0..p-1)), eval_cross.references' outputs, and the source's tokenization of
+    the cached prefix's text."""
+
+    ids: List[int]
+    p: int
+    targets: torch.Tensor
+    logits_own: torch.Tensor
+    logits_none: torch.Tensor
+    cached: eval_cross.Encoded
+    src: eval_cross.Encoded
+
+
+def heldout_windows(pair: Pair, texts: Sequence[str], share: float,
+                    progress: bool = True) -> Iterator[HeldOutWindow]:
+    """The windows of `texts` split at `share` (those too short to split are left out)."""
+    tgt_m = pair.target
+    for text in progress_items(texts, progress, desc="held-out windows"):
+        split = eval_cross.split_window(tgt_m.tokenizer, text, share)
+        if split is None:
+            continue
+        targets, logits_own, logits_none, cached = eval_cross.references(tgt_m.model, split,
+                                                                         tgt_m.bos_id)
+        yield HeldOutWindow(split.target.ids, split.p, targets, logits_own, logits_none, cached,
+                            encode(pair.source, split.prefix_text))
+
+
+def converted(adapter: kvbridge.LinearAdapter, window: HeldOutWindow, src_kv: KVCache,
+              start: Optional[KVCache]) -> KVCache:
+    """The window's cached prefix converted from the source's KV `src_kv` through the adapter's
+    alignment policy; with `start`, its first token's KV replaced by it (with_own_start)."""
+    index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", window.src,
+                                    window.cached)
+    conv = adapter.convert(src_kv, alignment=index)
+    return conv if start is None else with_own_start(conv, start)
+
+
+def no_windows() -> kvbridge.InvalidArgumentError:
+    return kvbridge.InvalidArgumentError("no held-out window could be split (too short for the share)")
+
+
 def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], share: float,
           tails: Sequence[int], progress: bool = True,
           own_start: bool = True) -> Dict[int, Dict[str, Any]]:
@@ -161,32 +203,23 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
     own_start: the start token's KV is the target's own (start_kv), as kvbridge.Bridge serves
     it (Bridge.add_start); False scores the conversion of the start token too (an ablation)."""
     src_m, tgt_m = pair.source, pair.target
-    start = start_kv(tgt_m)
+    start = start_kv(tgt_m) if own_start else None
     sums = {r: Sums() for r in tails}
     computed = {r: 0 for r in tails}  # prompt tokens the target computes itself, per tail
     windows = prefix_tokens = 0
-    for text in progress_items(texts, progress, desc="held-out windows"):
-        split = eval_cross.split_window(tgt_m.tokenizer, text, share)
-        if split is None:
-            continue
-        ids, p = split.target.ids, split.p
-        targets, logits_own, logits_none, cached = eval_cross.references(tgt_m.model, split,
-                                                                         tgt_m.bos_id)
-        src = encode(src_m, split.prefix_text)
-        index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
-        conv = adapter.convert(prefix_kv(src_m.model, src.ids), alignment=index)
-        if own_start:
-            conv = with_own_start(conv, start)
+    for w in heldout_windows(pair, texts, share, progress):
+        ids, p = w.ids, w.p
+        conv = converted(adapter, w, prefix_kv(src_m.model, w.src.ids), start)
         for r in tails:
             keep = max(1, p - 1 - r)  # the start token always comes from the cache
             computed[r] += p - keep
             part = tuple((k[:, :, :keep], v[:, :, :keep]) for k, v in conv)
             logits_conv, _ = forward(tgt_m.model, ids[keep:-1], part)
-            sums[r].add(logits_own, logits_conv[-len(targets):], logits_none, targets)
+            sums[r].add(w.logits_own, logits_conv[-len(w.targets):], w.logits_none, w.targets)
         windows += 1
         prefix_tokens += p - 1
     if not windows:
-        raise kvbridge.InvalidArgumentError("no held-out window could be split (too short for the share)")
+        raise no_windows()
     return {r: {**s.metrics(), "tail": r, "windows": windows, "prefix_tokens": prefix_tokens,
                 "prompt_tokens": prefix_tokens + windows,
                 "recomputed_share": computed[r] / (prefix_tokens + windows)}
@@ -422,5 +455,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     return results
 
 
-__all__ = ["DEFAULT_AGREEMENT_GOAL", "Pair", "RealConfig", "evaluate", "fit", "format_table", "main", "measure_ttft",
-           "nearest_layers", "prompt_of_tokens", "score", "serving_record"]
+__all__ = ["DEFAULT_AGREEMENT_GOAL", "HeldOutWindow", "Pair", "RealConfig", "converted", "evaluate", "fit",
+           "format_table", "heldout_windows", "main", "measure_ttft", "nearest_layers",
+           "no_windows", "prompt_of_tokens", "score", "serving_record"]

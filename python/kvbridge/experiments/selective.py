@@ -36,7 +36,7 @@ import torch
 import kvbridge
 from kvbridge import hf, models
 from kvbridge._tensors import KVCache
-from kvbridge.experiments import common, corpus, eval_cross, real_eval
+from kvbridge.experiments import common, corpus, real_eval
 
 RULES = ("tail", "deviation-l0", "deviation-all", "half-tail")
 
@@ -129,20 +129,13 @@ def score(pair: real_eval.Pair, adapters: Dict[str, kvbridge.LinearAdapter], tex
     sums = {(rule, r): common.Sums() for rule in rules for r in budgets}
     computed = {key: 0 for key in sums}
     windows = prompt_tokens = 0
-    for text in common.progress_items(texts, progress, desc="held-out windows"):
-        split = eval_cross.split_window(tgt_m.tokenizer, text, share)
-        if split is None:
-            continue
-        ids, p = split.target.ids, split.p
-        targets, logits_own, logits_none, cached = eval_cross.references(tgt_m.model, split,
-                                                                         tgt_m.bos_id)
+    for w in real_eval.heldout_windows(pair, texts, share, progress):
+        ids, p = w.ids, w.p
         own = hf.prefix_kv(tgt_m.model, ids[:p - 1])
-        src = real_eval.encode(src_m, split.prefix_text)
-        src_kv = hf.prefix_kv(src_m.model, src.ids)
+        src_kv = hf.prefix_kv(src_m.model, w.src.ids)
         keep_end = p - 1  # positions [0, p-1) are cached; p-1 onward the target computes
         for name, adapter in adapters.items():
-            index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
-            conv = real_eval.with_own_start(adapter.convert(src_kv, alignment=index), start)
+            conv = real_eval.converted(adapter, w, src_kv, start)
             dev_l0 = deviation(conv, own, [0])
             dev_all = deviation(conv, own, range(len(own)))
             for rule in rules:
@@ -154,12 +147,13 @@ def score(pair: real_eval.Pair, adapters: Dict[str, kvbridge.LinearAdapter], tex
                     run = chosen + list(range(keep_end, len(ids) - 1))
                     logits = forward_at(tgt_m.model, [ids[i] for i in run], run,
                                         _take(conv, kept_pos), kept_pos)
-                    sums[(rule, r)].add(logits_own, logits[-len(targets):], logits_none, targets)
+                    sums[(rule, r)].add(w.logits_own, logits[-len(w.targets):], w.logits_none,
+                                        w.targets)
                     computed[(rule, r)] += len(chosen) + 1
         windows += 1
         prompt_tokens += p
     if not windows:
-        raise kvbridge.InvalidArgumentError("no held-out window could be split (too short for the share)")
+        raise real_eval.no_windows()
     out: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for (rule, r), s in sums.items():
         out.setdefault(rule, {})[r] = {**s.metrics(), "budget": r, "windows": windows,
