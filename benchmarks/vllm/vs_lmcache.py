@@ -226,6 +226,14 @@ def engine_main(cfg_path, out_path):
         out = llm.generate([text], one, use_tqdm=False)[0]
         return time.perf_counter() - t, int(out.num_cached_tokens or 0), len(out.prompt_token_ids)
 
+    def connector_figures(row, before, after, lmcache_name, kvbridge_names):
+        """The connector's own figures over a request: its stats after it minus before."""
+        if conn_kind == "lmcache":
+            row[lmcache_name] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        if conn_kind == "kvbridge":
+            for name, stat in kvbridge_names.items():
+                row[name] = after[stat] - before[stat]
+
     tiny()  # first-call overheads out of the first timed request
     reset_prefix_cache()
     res = {"connector": conn_kind, "start_s": start_s, "lengths": {}}
@@ -247,31 +255,22 @@ def engine_main(cfg_path, out_path):
                 row["reset_tries"] = reset_prefix_cache()
                 row["store_wait_s"] = time.monotonic() - t_end
                 s1 = kvb_stats()
-                if conn_kind == "lmcache":
-                    row["lmc_step_save_s"] = {k: v - s0.get(k, 0.0) for k, v in s1.items()}
-                if conn_kind == "kvbridge":
-                    row["kvb_save_copy_s"] = s1["save_copy_seconds"] - s0["save_copy_seconds"]
-                    row["kvb_save_s"] = s1["save_seconds"] - s0["save_seconds"]
-                    row["kvb_tokens_saved"] = s1["tokens_saved"] - s0["tokens_saved"]
+                connector_figures(row, s0, s1, "lmc_step_save_s", {
+                    "kvb_save_copy_s": "save_copy_seconds", "kvb_save_s": "save_seconds",
+                    "kvb_tokens_saved": "tokens_saved"})
                 row["warm_ttft_s"], row["warm_cached"], _ = ttft(text)
                 s2 = kvb_stats()
-                if conn_kind == "lmcache":
-                    row["lmc_step_load_s"] = {k: v - s1.get(k, 0.0) for k, v in s2.items()}
-                if conn_kind == "kvbridge":
-                    row["kvb_tokens_loaded"] = s2["tokens_loaded"] - s1["tokens_loaded"]
-                    row["kvb_load_s"] = s2["load_seconds"] - s1["load_seconds"]
-                    row["kvb_lookup_s"] = s2["lookup_seconds"] - s1["lookup_seconds"]
+                connector_figures(row, s1, s2, "lmc_step_load_s", {
+                    "kvb_tokens_loaded": "tokens_loaded", "kvb_load_s": "load_seconds",
+                    "kvb_lookup_s": "lookup_seconds"})
                 reset_prefix_cache()
         else:  # "second": a new process, its prefix cache empty
             s0 = kvb_stats()
             row["warm_ttft_s"], row["warm_cached"], row["prompt_tokens"] = ttft(text)
             s1 = kvb_stats()
-            if conn_kind == "lmcache":
-                row["lmc_step_load_s"] = {k: v - s0.get(k, 0.0) for k, v in s1.items()}
-            if conn_kind == "kvbridge":
-                row["kvb_tokens_loaded"] = s1["tokens_loaded"] - s0["tokens_loaded"]
-                row["kvb_loads_converted"] = s1["loads_converted"] - s0["loads_converted"]
-                row["kvb_load_s"] = s1["load_seconds"] - s0["load_seconds"]
+            connector_figures(row, s0, s1, "lmc_step_load_s", {
+                "kvb_tokens_loaded": "tokens_loaded", "kvb_loads_converted": "loads_converted",
+                "kvb_load_s": "load_seconds"})
             reset_prefix_cache()
         res["lengths"][L] = row
     if cfg["mode"] in ("first", "none") and cfg.get("decode_texts"):
