@@ -386,3 +386,26 @@ def test_each_role_serves_its_own_calls():
     conn._role, conn._scheduler, conn._worker = KVConnectorRole.SCHEDULER, object(), None
     with pytest.raises(kvbridge.Error, match="worker-side call on the scheduler connector"):
         conn.get_block_ids_with_load_errors()
+
+
+def _braces(text):
+    """Each `name` in backquotes of `text`, with `a_{b,c}_d` expanded to a_b_d and a_c_d."""
+    import itertools
+    import re
+    names = []
+    for quoted in re.findall(r"`([a-z_{},]+)`", text):
+        parts = re.split(r"\{([a-z_,]+)\}", quoted)
+        options = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+        names += ["".join(c) for c in itertools.product(*options)]
+    return set(names)
+
+
+def test_readme_names_every_connector_counter_and_timer():
+    """The README's Metrics paragraph names each counter and timer stats.py declares (and no
+    other), so a new counter cannot go undocumented."""
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("- Metrics: `connector.stats()`")
+    paragraph = readme[start:readme.index("\n- ", start + 1)]
+    named = _braces(paragraph[:paragraph.index("with the Bridge's")])
+    assert named - {"connector.stats()"} == set(stats.COUNTERS) | set(stats.TIMERS)
+    assert _braces("`a_{b,c}_d` `e`") == {"a_b_d", "a_c_d", "e"}
