@@ -54,6 +54,18 @@ struct FitOptions {
   /// fewer than max_source_layers / 2 source layers (one after that, where exact fits cost
   /// most); the best of them is taken.
   int64_t exact_candidates = 2;
+  /// The target's key norm, for targets that RMS-normalize each key head before RoPE (QK-norm:
+  /// Gemma 3, Qwen3, ...): per target layer the gains g [target.head_dim] of that norm, so that
+  /// the target's own pre-RoPE key heads are k = g * x / rms(x), elementwise. Empty (the
+  /// default): the target has none, and convert returns the maps' keys as they are. Given, it
+  /// holds one finite vector per target layer, and convert puts each converted key head back on
+  /// the set the target's own keys lie on: its dimensions with g_i = 0 are set to 0 and the
+  /// others are scaled together so that the mean over them of (k_i / g_i)² is 1 (a head whose
+  /// sum is 0 is left as it is). A least-squares map cannot keep that constraint and pulls keys
+  /// toward their mean, which flattens attention (benchmarks/recorded/240-real-headroom.md).
+  /// The fit itself and its R² are those of the maps alone. Kept by the adapter
+  /// (LinearAdapter::key_norm) and in its file.
+  std::vector<std::vector<float>> target_key_norm;
 };
 
 /// One step of kAuto's selection for one target layer: a candidate source layer fitted exactly
@@ -203,7 +215,8 @@ class LinearAdapter {
   /// cuBLAS is loaded on first use from libcublas.so.13 (the environment variable KVBRIDGE_CUBLAS
   /// may name the file).
   /// Throws Unavailable when this build has no CUDA path, no CUDA device is present, cuBLAS
-  /// cannot be loaded, or a CUDA or cuBLAS call fails; InvalidArgument for views that do not
+  /// cannot be loaded, a CUDA or cuBLAS call fails, or the adapter has a key norm (has_key_norm:
+  /// such adapters convert on the CPU only, so far); InvalidArgument for views that do not
   /// match, a device index that does not exist, or planes that are not device memory of src's
   /// device. Views that do not match are rejected before any memory is touched.
   void convert(const KVView& src, int64_t start_pos, const KVView& dst, void* cuda_stream) const;
@@ -249,7 +262,9 @@ class LinearAdapter {
   /// fit report (JSON strings) and "checksum" (fingerprint()). An adapter between tokenizers
   /// (report().alignment_policy not empty) is written as format_version "3" with the extra key
   /// "alignment_policy" (both tokenizer ids are in the specs). Recorded serving defaults add the
-  /// key "serving" (JSON; covered by the checksum), in any version. Throws Unavailable on I/O
+  /// key "serving" (JSON; covered by the checksum), in any version. An adapter with a key norm
+  /// adds the tensors "layers.{j}.key_norm" (float32 [target.head_dim]), covered by the checksum
+  /// and the fingerprint (readers that predate them refuse the file). Throws Unavailable on I/O
   /// failure.
   void save(const std::string& path) const;
   /// Reads and validates a file written by save (or by any safetensors writer with the same
@@ -261,7 +276,8 @@ class LinearAdapter {
   /// options.allow_unchecked, unknown format or version, an alignment_policy that is not a
   /// policy name or that a version other than "3" carries (or a version "3" file without one), specs or layer map that do not parse,
   /// a fit report out of range (R² not finite or > 1, ridge not finite or < 0, negative token
-  /// counts), missing, extra or mis-shaped tensors, non-float32 dtypes, non-finite weights, a
+  /// counts), missing, extra or mis-shaped tensors (key_norm
+  /// tensors for some target layers only among them), non-float32 dtypes, non-finite weights or gains, a
   /// "serving" record that does not parse or is out of set_serving's ranges. A file without
   /// "serving" loads with nothing recorded.
   static LinearAdapter load(const std::string& path, const AdapterLoadOptions& options = {});
@@ -270,6 +286,10 @@ class LinearAdapter {
   /// [kv_heads * head_dim], float32, for keys (kind 0) or values (kind 1).
   const std::vector<float>& weights(int64_t layer, int kind) const;
   const std::vector<float>& bias(int64_t layer, int kind) const;
+  /// Whether convert applies the target's key norm (FitOptions::target_key_norm), and its gains
+  /// [target.head_dim] for target layer j (an empty vector when it has none).
+  bool has_key_norm() const noexcept;
+  const std::vector<float>& key_norm(int64_t layer) const;
 
   struct Impl;
 

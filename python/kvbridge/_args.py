@@ -84,6 +84,19 @@ def alignment(name: str, value: Any) -> list:
     return arr.astype(np.int64).tolist()
 
 
+def float_rows(name: str, value: Any) -> list:
+    """A 2-D array of real numbers (a tensor, an array or nested sequences), as lists of floats;
+    the core checks the shape it needs and that each is finite."""
+    if hasattr(value, "detach"):  # a torch tensor, on any device
+        value = value.detach().cpu().double().numpy()
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iuf":
+        raise TypeError(f"{name}: expected a 2-D array of numbers, got dtype {arr.dtype}")
+    if arr.ndim != 2:
+        raise _core.InvalidArgumentError(f"{name}: expected a 2-D array, got shape {arr.shape}")
+    return arr.astype(np.float64).tolist()
+
+
 def option(name: str, default: Any, value: Any) -> Any:
     """An options-struct field, checked as the kind of its default value."""
     if isinstance(default, bool):

@@ -69,6 +69,9 @@ class ModelSpec:
     layer_attention: List[LayerAttention]
     @property
     def fingerprint(self) -> str: ...
+    @property
+    def has_key_norm(self) -> bool: ...
+    def key_norm(self, layer: int) -> List[float]: ...
     def kv_bytes_per_token(self) -> int: ...
     # Layer `layer`'s attention: layer_attention[layer], or the spec-wide RoPE and full attention.
     def layer(self, layer: int) -> LayerAttention: ...
@@ -171,6 +174,7 @@ class FitOptions:
     max_memory_bytes: int
     min_gain: float
     exact_candidates: int
+    target_key_norm: List[List[float]]
 
 class LinearAdapter:
     @property

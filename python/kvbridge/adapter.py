@@ -87,6 +87,15 @@ class LinearAdapter:
         self._native.save(os.fspath(path))
 
     @property
+    def key_norm(self) -> Optional[torch.Tensor]:
+        """The target's key norm gains the conversion applies, float32 [target layers, head_dim]
+        (AdapterFitter's target_key_norm), or None when it applies none."""
+        if not self._native.has_key_norm:
+            return None
+        return torch.tensor([self._native.key_norm(j) for j in range(self.target.num_layers)],
+                            dtype=torch.float32)
+
+    @property
     def fingerprint(self) -> str:
         """32 hex digits identifying the adapter's content (the checksum its file carries,
         computed without the serving defaults: recording them keeps the fingerprint)."""
@@ -235,6 +244,11 @@ class AdapterFitter:
         (mean of keys and values) by at least this much.
     exact_candidates: "auto", from the second source layer on: how many candidates, ranked by a
         cheap screen, are fitted exactly at each step (the best of them is added).
+    target_key_norm: for a target that RMS-normalizes each key head before RoPE (QK-norm, e.g.
+        Gemma 3, Qwen3), its gains per layer, [target layers, head_dim] (kvbridge.hf.key_norm
+        reads them off a model); the adapter then puts converted keys back on the set the
+        target's own lie on (FitOptions::target_key_norm in include/kvbridge/adapter.h). None
+        (default): the target has no key norm.
     max_memory_bytes: bound on the float64 accumulators (default 8 GiB). When "auto" over all
         source layers would exceed it, the fitter takes two passes over the samples: a probe pass
         that ranks source layers per target layer, then `next_pass()` and the same samples again
@@ -247,7 +261,8 @@ class AdapterFitter:
                  ridge: Union[str, float] = "auto", holdout: float = 0.1,
                  max_source_layers: int = 8, seed: int = 0,
                  max_memory_bytes: Optional[int] = None, alignment_policy: str = "",
-                 min_gain: float = 1e-4, exact_candidates: int = 2):
+                 min_gain: float = 1e-4, exact_candidates: int = 2,
+                 target_key_norm: Any = None):
         opts = _core.FitOptions()
         if isinstance(source_layers, str):
             if source_layers not in ("auto", "all"):
@@ -273,6 +288,8 @@ class AdapterFitter:
             raise InvalidArgumentError(f"exact_candidates must be >= 1, got {exact_candidates}")
         if max_memory_bytes is not None:
             opts.max_memory_bytes = _args.size("max_memory_bytes", max_memory_bytes)
+        if target_key_norm is not None:
+            opts.target_key_norm = _args.float_rows("target_key_norm", target_key_norm)
         self._native = _core.AdapterFitter(source_spec, target_spec, opts)
 
     @property

@@ -10,7 +10,7 @@ return a cache give a DynamicCache when asked (``as_cache=True``; ``convert`` re
 input's form by default).
 
 The model calls (``forward``, ``prefix_kv``, ``own_first_layers``) are what serving needs of a
-model: the quality checks (kvbridge.quality, kvbridge.monitor) and exact first layers
+model, and ``key_norm`` reads the one part of a model's weights a fit needs besides its KV: the quality checks (kvbridge.quality, kvbridge.monitor) and exact first layers
 (kvbridge.exact) run them, and the experiments build on them too. This is the one module that
 calls a model.
 
@@ -167,5 +167,46 @@ def own_first_layers(model: Any, tokens: Sequence[int], layers: int) -> KVCache:
     return tuple((key, value) for key, value in cache_layers(cache))[:k]
 
 
-__all__: List[str] = ["as_cache", "forward", "full_cache", "is_cache", "legacy_to_cache",
-                      "own_first_layers", "prefix_kv", "to_dynamic_cache", "to_legacy"]
+@torch.no_grad()
+def key_norm(model: Any) -> Optional[torch.Tensor]:
+    """The gains of the model's key norm, float32 [layers, head_dim], for AdapterFitter's
+    target_key_norm; None for a model whose attention has no ``k_norm`` (Llama, SmolLM2, Qwen2).
+
+    Models that RMS-normalize each key head before RoPE (Gemma 3, Qwen3) keep the norm as
+    ``self_attn.k_norm`` of each decoder layer; its gains are read off by normalizing a vector of
+    ones (so both conventions, ``weight * x`` and Gemma's ``(1 + weight) * x``, come out right)
+    and checked on a random vector: a ``k_norm`` that is not an RMS norm of one head with
+    elementwise gains (OLMo 2 normalizes all heads together) raises InvalidArgumentError rather
+    than give gains that would convert wrongly."""
+    layers = _decoder(model).layers
+    norms = [getattr(getattr(layer, "self_attn", None), "k_norm", None) for layer in layers]
+    if all(n is None for n in norms):
+        return None
+    if any(n is None for n in norms):
+        raise InvalidArgumentError("key_norm: some decoder layers have a k_norm and others not")
+    head_dim = getattr(getattr(layers[0], "self_attn", None), "head_dim", None)
+    gains = []
+    g = torch.Generator().manual_seed(0)
+    for j, norm in enumerate(norms):
+        param = next(norm.parameters(), None)
+        dtype = param.dtype if param is not None else torch.float32
+        device = param.device if param is not None else torch.device("cpu")
+        size = head_dim or (param.numel() if param is not None else 0)
+        ones = torch.ones(size, dtype=dtype, device=device)
+        gain = norm(ones).float().cpu()
+        x = torch.randn(3, size, generator=g)
+        rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+        got = norm(x.to(dtype=dtype, device=device)).float().cpu()
+        want = gain * x / rms
+        if gain.shape != (size,) or not torch.allclose(got, want, rtol=1e-2,
+                                                       atol=1e-2 * float(want.abs().max())):
+            raise InvalidArgumentError(
+                f"key_norm: layer {j}'s k_norm ({type(norm).__name__}) is not an RMS norm of one "
+                f"key head of {size} with elementwise gains; kvbridge cannot keep its keys on it")
+        gains.append(gain)
+    return torch.stack(gains)
+
+
+__all__: List[str] = ["as_cache", "forward", "full_cache", "is_cache", "key_norm",
+                      "legacy_to_cache", "own_first_layers", "prefix_kv", "to_dynamic_cache",
+                      "to_legacy"]

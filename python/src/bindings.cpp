@@ -783,7 +783,8 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("seed", &FitOptions::seed)
       .def_readwrite("max_memory_bytes", &FitOptions::max_memory_bytes)
       .def_readwrite("min_gain", &FitOptions::min_gain)
-      .def_readwrite("exact_candidates", &FitOptions::exact_candidates);
+      .def_readwrite("exact_candidates", &FitOptions::exact_candidates)
+      .def_readwrite("target_key_norm", &FitOptions::target_key_norm);
 
   // Shared: a Bridge holds the adapters registered with it.
   py::class_<LinearAdapter, std::shared_ptr<LinearAdapter>>(m, "LinearAdapter")
@@ -792,6 +793,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("report", [](const LinearAdapter& a) { return report_dict(a.report()); })
       .def("save", &LinearAdapter::save, py::arg("path"))
       .def_property_readonly("fingerprint", &LinearAdapter::fingerprint)
+      .def_property_readonly("has_key_norm", &LinearAdapter::has_key_norm)
+      .def("key_norm", &LinearAdapter::key_norm, py::arg("layer"))
       // Serving defaults: a dict (NaN figures as None), None when nothing is recorded.
       .def_property_readonly("serving",
                              [](const LinearAdapter& a) -> py::object {

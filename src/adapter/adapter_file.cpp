@@ -147,6 +147,9 @@ json parse_json(const std::map<std::string, std::string>& meta, const char* key)
 std::string tensor_name(int64_t layer, int kind, const char* part) {
   return "layers." + std::to_string(layer) + (kind == 0 ? ".key." : ".value.") + part;
 }
+std::string key_norm_name(int64_t layer) {
+  return "layers." + std::to_string(layer) + ".key_norm";
+}
 
 
 // A tensor as the checksum sees it: shape and raw little-endian bytes.
@@ -236,6 +239,10 @@ std::map<std::string, TensorBytes> file_tensors(const LinearAdapter::Impl& a) {
       const std::vector<float>& b = a.bias[static_cast<size_t>(j)][static_cast<size_t>(kind)];
       out[tensor_name(j, kind, "weight")] = {{features, a.target_width()}, w.data(), 4 * w.size()};
       out[tensor_name(j, kind, "bias")] = {{a.target_width()}, b.data(), 4 * b.size()};
+    }
+    if (!a.key_norm.empty()) {
+      const std::vector<float>& g = a.key_norm[static_cast<size_t>(j)];
+      out[key_norm_name(j)] = {{a.target.head_dim}, g.data(), 4 * g.size()};
     }
   }
   return out;
@@ -451,6 +458,26 @@ LinearAdapter LinearAdapter::load(const std::string& path, const AdapterLoadOpti
       }
     a->weights.push_back(std::move(w));
     a->bias.push_back(std::move(b));
+  }
+  // The target's key norm: every layer's gains or none.
+  for (int64_t j = 0; j < a->target.num_layers; ++j) {
+    const std::string name = key_norm_name(j);
+    const auto it = file.tensors.find(name);
+    const bool present = it != file.tensors.end();
+    KVB_CHECK_AS(Corrupt, j == 0 || present == !a->key_norm.empty(),
+                 "adapter file: tensor " << name << (present ? " present" : " missing")
+                                         << ": key_norm tensors are for every target layer or none");
+    if (!present) continue;
+    const io::StTensor& t = it->second;
+    KVB_CHECK_AS(Corrupt,
+                 t.dtype == io::StDType::kF32 && t.shape == std::vector<int64_t>{a->target.head_dim},
+                 "adapter file: tensor " << name << " must be F32 of [head_dim]");
+    std::vector<float> g(t.data.size() / 4);
+    std::memcpy(g.data(), t.data.data(), t.data.size());
+    for (float v : g)
+      KVB_CHECK_AS(Corrupt, std::isfinite(v), "adapter file: tensor " << name << " is not finite");
+    a->key_norm.push_back(std::move(g));
+    ++used;
   }
   KVB_CHECK_AS(Corrupt, used == file.tensors.size(),
                "adapter file: " << file.tensors.size() - used << " tensors the layer map does not use");

@@ -35,6 +35,8 @@ struct LinearAdapter::Impl {
   /// [features, outputs] row-major and bias [outputs].
   std::vector<std::vector<int64_t>> layers;
   std::vector<std::array<std::vector<float>, 2>> weights, bias;
+  /// FitOptions::target_key_norm: per target layer the gains [target.head_dim], or empty.
+  std::vector<std::vector<float>> key_norm;
   /// Created by the first convert of CUDA views; cuda_mutex guards the pointer and the map of
   /// devices inside it.
   mutable std::mutex cuda_mutex;
@@ -54,6 +56,17 @@ struct LinearAdapter::Impl {
   /// bf16_packed, packed on first call (thread-safe).
   const detail::Bf16Weights& bf16_weights() const;
 };
+
+namespace detail {
+/// Checks gains shaped as FitOptions::target_key_norm for `target` (empty, or one finite vector
+/// of head_dim per layer); `what` names them in the InvalidArgument it throws.
+void check_key_norm(const std::vector<std::vector<float>>& gains, const ModelSpec& target,
+                    const char* what);
+/// Puts each key head of rows [n, heads * g.size()] (row stride ld) back on the target's key
+/// norm set with gains g (FitOptions::target_key_norm says how).
+template <typename T>
+void project_key_norm(const std::vector<float>& g, int64_t heads, int64_t n, T* keys, int64_t ld);
+}  // namespace detail
 
 /// Checks that a source/target view pair fits the specs (shared by the fitter and the adapter);
 /// same_tokens: both hold the same number of tokens (false: an alignment pairs them).

@@ -1087,6 +1087,7 @@ AdapterFitter::AdapterFitter(const ModelSpec& source, const ModelSpec& target,
   source.validate();
   target.validate();
   if (!options.alignment_policy.empty()) (void)parse_align_policy(options.alignment_policy);
+  detail::check_key_norm(options.target_key_norm, target, "target_key_norm");
   KVB_CHECK(options.holdout > 0 && options.holdout <= 0.5,
             "holdout must be in (0, 0.5], got " << options.holdout);
   KVB_CHECK(!options.ridge_grid.empty(), "ridge_grid must not be empty");
@@ -1449,6 +1450,7 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
   out->report.holdout_tokens = m.held.n;
   out->report.rope_aware = m.options.rope_aware;
   out->report.alignment_policy = m.options.alignment_policy;
+  out->key_norm = m.options.target_key_norm;
   m.sync_from_device();
   Progress tracker(&progress);
   std::vector<Impl::Choice> chosen;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -146,6 +147,9 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
         }
       }
     }
+    if (!a.key_norm.empty())
+      detail::project_key_norm(a.key_norm[static_cast<size_t>(j)], a.target.num_kv_heads, n,
+                               w.y[0].data(), tw);
     if (rope)
       detail::apply_rope(a.target, w.target_angles[a.target_inv_freq.set(j)], /*inverse=*/false,
                          a.target.num_kv_heads, w.y[0].data(), tw);
@@ -206,6 +210,46 @@ void check_alignment(const std::vector<int64_t>& alignment, int64_t source_token
 }
 
 namespace detail {
+void check_key_norm(const std::vector<std::vector<float>>& gains, const ModelSpec& target,
+                    const char* what) {
+  if (gains.empty()) return;
+  KVB_CHECK(static_cast<int64_t>(gains.size()) == target.num_layers,
+            what << ": expected one gain vector per target layer (" << target.num_layers
+                 << "), got " << gains.size());
+  for (size_t j = 0; j < gains.size(); ++j) {
+    KVB_CHECK(static_cast<int64_t>(gains[j].size()) == target.head_dim,
+              what << "[" << j << "]: expected " << target.head_dim << " gains (head_dim), got "
+                   << gains[j].size());
+    for (float g : gains[j])
+      KVB_CHECK(std::isfinite(g), what << "[" << j << "]: gains must be finite, got " << g);
+  }
+}
+
+template <typename T>
+void project_key_norm(const std::vector<float>& g, int64_t heads, int64_t n, T* keys, int64_t ld) {
+  const int64_t d = static_cast<int64_t>(g.size());
+  int64_t used = 0;
+  for (float v : g) used += v != 0;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      T* k = keys + t * ld + h * d;
+      T sum = 0;
+      for (int64_t i = 0; i < d; ++i)
+        if (g[static_cast<size_t>(i)] != 0) {
+          const T u = k[i] / static_cast<T>(g[static_cast<size_t>(i)]);
+          sum += u * u;
+        }
+      // A head with nothing to scale keeps its values (sum 0); NaN stays NaN, as elsewhere.
+      const T scale = sum != 0 ? std::sqrt(static_cast<T>(used) / sum) : T(1);
+      for (int64_t i = 0; i < d; ++i)
+        k[i] = g[static_cast<size_t>(i)] != 0 ? k[i] * scale : T(0);
+    }
+}
+template void project_key_norm<float>(const std::vector<float>&, int64_t, int64_t, float*,
+                                      int64_t);
+template void project_key_norm<double>(const std::vector<float>&, int64_t, int64_t, double*,
+                                       int64_t);
+
 void check_convert_positions(const KVView& src, int64_t start_pos, const KVView& dst,
                              const std::vector<int64_t>* alignment, int64_t target_start_pos) {
   detail::check_positions(start_pos, src.tokens());
@@ -252,6 +296,12 @@ const std::vector<float>& LinearAdapter::bias(int64_t layer, int kind) const {
             "bias: no layer " << layer << " kind " << kind);
   return impl_->bias[static_cast<size_t>(layer)][static_cast<size_t>(kind)];
 }
+bool LinearAdapter::has_key_norm() const noexcept { return !impl_->key_norm.empty(); }
+const std::vector<float>& LinearAdapter::key_norm(int64_t layer) const {
+  KVB_CHECK(layer >= 0 && layer < impl_->target.num_layers, "key_norm: no layer " << layer);
+  static const std::vector<float> kNone;
+  return impl_->key_norm.empty() ? kNone : impl_->key_norm[static_cast<size_t>(layer)];
+}
 
 void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst) const {
   convert(src, start_pos, dst, nullptr);
@@ -277,6 +327,9 @@ void LinearAdapter::convert_dispatch(const KVView& src, int64_t start_pos, const
                 << " and " << (dst.device().type == DeviceType::kCUDA ? "cuda:" : "cpu:")
                 << dst.device().index);
   if (src.device().type == DeviceType::kCUDA) {
+    KVB_CHECK_AS(Unavailable, impl_->key_norm.empty(),
+                 "convert: this adapter applies the target's key norm (has_key_norm), which only "
+                 "the CPU path does so far; convert on the CPU");
     detail::convert_cuda(*impl_, src, start_pos, dst, cuda_stream, alignment, target_start_pos);
     return;
   }

@@ -996,5 +996,149 @@ TEST(ConvertElements, HostRunOfTheDevicePipelineMatchesReference) {
   }
 }
 
+// The target's key norm (FitOptions::target_key_norm): gains per target layer of either sign,
+// one of them 0, on odd shapes. Their magnitudes stay away from 0 otherwise: a gain near 0
+// multiplies the map's error in that dimension in the head's scale, and with it the bfloat16
+// path's rounding, beyond the tolerance the comparison with the reference uses.
+std::vector<std::vector<float>> random_gains(const ModelSpec& target, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(0.3f, 3.0f);
+  std::vector<std::vector<float>> gains(static_cast<size_t>(target.num_layers));
+  for (auto& g : gains) {
+    for (int64_t i = 0; i < target.head_dim; ++i) g.push_back(rng() % 4 ? dist(rng) : -dist(rng));
+    g[static_cast<size_t>(rng() % g.size())] = 0.0f;
+  }
+  return gains;
+}
+
+LinearAdapter fit_odd(const ModelSpec& source, const ModelSpec& target, bool rope_aware,
+                      const std::vector<std::vector<float>>& gains) {
+  FitOptions o;
+  o.selection = FitOptions::Selection::kExplicit;
+  o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
+  o.rope_aware = rope_aware;
+  o.target_key_norm = gains;
+  AdapterFitter fitter(source, target, o);
+  HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
+  fill_normal(fs, source, 211, 5);
+  fill_normal(ft, target, 211, 6);
+  fitter.add(fs.view(), ft.view(), 0);
+  return fitter.fit();
+}
+
+// Against the same maps without the norm, in float64 (reference) and without RoPE so the
+// relation is per element: values are unchanged; each key head is the plain map's, its zero-gain
+// dimensions 0 and the rest scaled by sqrt(used / sum_i (k_i / g_i)^2), recomputed here.
+TEST(KeyNorm, PutsEachKeyHeadOnTheTargetsSet) {
+  const ModelSpec source = make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf);
+  const ModelSpec target = make_spec("tgt", 4, 3, 14, 30000.0, RopeStyle::kInterleaved);
+  const auto gains = random_gains(target, 11);
+  const LinearAdapter plain = fit_odd(source, target, false, {});
+  const LinearAdapter normed = fit_odd(source, target, false, gains);
+  ASSERT_FALSE(plain.has_key_norm());
+  ASSERT_TRUE(normed.has_key_norm());
+  EXPECT_TRUE(plain.key_norm(2).empty());
+  EXPECT_EQ(normed.key_norm(2), gains[2]);
+  EXPECT_NE(plain.fingerprint(), normed.fingerprint());
+  for (int kind = 0; kind < 2; ++kind) EXPECT_EQ(plain.weights(3, kind), normed.weights(3, kind));
+
+  const int64_t T = 53;
+  HFKV src(source, T, 2, 9);
+  fill_normal(src, source, T, 10);
+  FloatKV a(target, T), b(target, T);
+  plain.convert_reference(src.view(), 7, a.view());
+  normed.convert_reference(src.view(), 7, b.view());
+  const int64_t H = target.num_kv_heads, D = target.head_dim;
+  for (int64_t l = 0; l < target.num_layers; ++l) {
+    const std::vector<float>& g = gains[static_cast<size_t>(l)];
+    ASSERT_EQ(std::vector<float>(a.plane(l, 1), a.plane(l, 1) + T * H * D),
+              std::vector<float>(b.plane(l, 1), b.plane(l, 1) + T * H * D));
+    int64_t used = 0;
+    for (float v : g) used += v != 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* ka = a.plane(l, 0) + (t * H + h) * D;
+        const float* kb = b.plane(l, 0) + (t * H + h) * D;
+        double sum = 0, on_set = 0;
+        for (int64_t i = 0; i < D; ++i)
+          if (g[static_cast<size_t>(i)] != 0) sum += std::pow(ka[i] / g[static_cast<size_t>(i)], 2);
+        ASSERT_GT(sum, 0.0);
+        const double scale = std::sqrt(static_cast<double>(used) / sum);
+        for (int64_t i = 0; i < D; ++i) {
+          const double gi = g[static_cast<size_t>(i)];
+          ASSERT_NEAR(kb[i], gi != 0 ? ka[i] * scale : 0.0, 1e-5 * std::fabs(ka[i] * scale) + 1e-7)
+              << l << " " << t << " " << h << " " << i;
+          if (gi != 0) on_set += std::pow(kb[i] / gi, 2);
+        }
+        ASSERT_NEAR(on_set / static_cast<double>(used), 1.0, 1e-4);
+      }
+  }
+}
+
+// The fast path against the float64 reference with the norm, with RoPE, strided, in several
+// blocks, and the file keeps the gains (and with them the fingerprint and the conversion).
+class KeyNormVsReference : public ::testing::TestWithParam<DType> {};
+
+TEST_P(KeyNormVsReference, StridedOddSizesAndFile) {
+  const DType dtype = GetParam();
+  const ModelSpec source = make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf, dtype);
+  const ModelSpec target = make_spec("tgt", 4, 3, 14, 30000.0, RopeStyle::kInterleaved, dtype);
+  const LinearAdapter adapter = fit_odd(source, target, true, random_gains(target, 12));
+  const int64_t T = 601, start = 1001;
+  HFKV src(source, T, 3, 7);
+  fill_normal(src, source, T, 8);
+  HFKV fast(target, T, 2, 1), ref(target, T, 0, 2);
+  adapter.convert(src.view(), start, fast.view());
+  adapter.convert_reference(src.view(), start, ref.view());
+  expect_near_reference(fast.view(), ref.view(), dtype);
+
+  testing::TempDir dir;
+  const std::string path = dir.path + "/a.safetensors";
+  adapter.save(path);
+  const LinearAdapter loaded = LinearAdapter::load(path);
+  ASSERT_TRUE(loaded.has_key_norm());
+  for (int64_t l = 0; l < target.num_layers; ++l) EXPECT_EQ(loaded.key_norm(l), adapter.key_norm(l));
+  EXPECT_EQ(loaded.fingerprint(), adapter.fingerprint());
+  HFKV again(target, T, 2, 1);
+  loaded.convert(src.view(), start, again.view());
+  EXPECT_TRUE(testing::same_elements(again.view(), fast.view()));
+}
+
+INSTANTIATE_TEST_SUITE_P(DTypes, KeyNormVsReference,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16));
+
+TEST(KeyNorm, BadGainsAndCudaViews) {
+  const ModelSpec source = make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf);
+  const ModelSpec target = make_spec("tgt", 4, 3, 14, 30000.0, RopeStyle::kInterleaved);
+  auto gains = random_gains(target, 13);
+  FitOptions o;
+  o.target_key_norm = gains;
+  o.target_key_norm.pop_back();
+  EXPECT_THROW((void)AdapterFitter(source, target, o), InvalidArgument);  // a layer short
+  o.target_key_norm = gains;
+  o.target_key_norm[1].push_back(1.0f);
+  EXPECT_THROW((void)AdapterFitter(source, target, o), InvalidArgument);  // not head_dim
+  o.target_key_norm = gains;
+  o.target_key_norm[2][3] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THROW((void)AdapterFitter(source, target, o), InvalidArgument);
+  o.target_key_norm = gains;
+  EXPECT_NO_THROW((void)AdapterFitter(source, target, o));
+
+  // Only the CPU path applies the norm: CUDA views are refused whatever the build or device.
+  const LinearAdapter adapter = fit_odd(source, target, true, gains);
+  const Device cuda{DeviceType::kCUDA, 0};
+  auto fake = [&](const ModelSpec& s, uintptr_t base) {
+    return KVView::contiguous(reinterpret_cast<void*>(base), s.dtype, cuda, s.num_layers, 7,
+                              s.num_kv_heads, s.head_dim);
+  };
+  try {
+    adapter.convert(fake(source, 0x1000), 0, fake(target, 0x100000));
+    ADD_FAILURE() << "no exception";
+  } catch (const Unavailable& e) {
+    EXPECT_NE(std::string(e.what()).find("key norm"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(adapter.key_norm(4), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvbridge

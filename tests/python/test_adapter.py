@@ -463,3 +463,68 @@ def test_special_files_are_refused_before_reading(tmp_path):
         kvbridge.LinearAdapter.load(tmp_path)
     with pytest.raises(kvbridge.InvalidArgumentError, match="NUL"):
         kvbridge.LinearAdapter.load(str(tmp_path / "a") + "\0x")
+
+
+def key_norm_gains(seed):
+    """Gains for TGT's layers, of either sign, one of them 0 per layer."""
+    g = torch.Generator().manual_seed(seed)
+    gains = (0.3 + 2.7 * torch.rand(TGT.num_layers, TGT.head_dim, generator=g)) * \
+        torch.where(torch.rand(TGT.num_layers, TGT.head_dim, generator=g) < 0.25, -1.0, 1.0)
+    gains[torch.arange(TGT.num_layers), torch.randint(TGT.head_dim, (TGT.num_layers,),
+                                                      generator=g)] = 0.0
+    return gains
+
+
+def test_key_norm_puts_converted_keys_on_the_targets_set(weights, tmp_path):
+    """With the target's key norm the maps are the same, and each converted key head,
+    un-rotated, is the plain map's with its zero-gain dimensions 0 and the rest scaled to mean
+    (k / g)² = 1; values are untouched. The file keeps the gains, and the fingerprint covers
+    them."""
+    gains = key_norm_gains(3)
+
+    def fit(**kw):
+        fitter = kvbridge.AdapterFitter(SRC, TGT, source_layers=[[0], [0, 1], [1]], **kw)
+        for i in range(3):
+            src, tgt = planted_sample(weights, 70, 11 * i, seed=20 + i)
+            fitter.add(src, tgt, start_pos=11 * i)
+        return fitter.fit()
+
+    plain, normed = fit(), fit(target_key_norm=gains)
+    assert plain.key_norm is None and torch.equal(normed.key_norm, gains)
+    assert plain.fingerprint != normed.fingerprint
+    src = random_kv(SRC, 23, 8)
+    a = plain.convert(src, 5, reference=True)
+    b = normed.convert(src, 5, reference=True)
+    for j, ((ka, va), (kb, vb)) in enumerate(zip(a, b)):
+        assert torch.equal(va, vb)
+        ua, ub = rope(ka, 50000.0, 5, "interleaved", True), rope(kb, 50000.0, 5, "interleaved", True)
+        g = gains[j].double()
+        on = g != 0
+        scale = torch.sqrt(on.sum() / ((ua[..., on] / g[on]) ** 2).sum(-1, keepdim=True))
+        expected = torch.where(on, ua * scale, torch.zeros_like(ua))
+        assert torch.allclose(ub, expected, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(((ub[..., on] / g[on]) ** 2).mean(-1), torch.ones(1, dtype=ub.dtype),
+                              atol=1e-4)
+    path = tmp_path / "normed.safetensors"
+    normed.save(path)
+    loaded = kvbridge.LinearAdapter.load(path)
+    assert torch.equal(loaded.key_norm, gains) and loaded.fingerprint == normed.fingerprint
+    for (k, v), (k0, v0) in zip(loaded.convert(src, 5), normed.convert(src, 5)):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+    # A file with the gains of some layers only is refused, whatever its checksum says.
+    from safetensors.torch import save_file
+    meta, tensors = read_adapter_file(path)
+    del tensors["layers.1.key_norm"]
+    del meta["checksum"]
+    save_file(tensors, str(tmp_path / "partial.safetensors"), metadata=meta)
+    with pytest.raises(kvbridge.CorruptError, match="key_norm"):
+        kvbridge.LinearAdapter.load(tmp_path / "partial.safetensors", allow_unchecked=True)
+    # And bad gains are refused when the fitter is made.
+    not_finite = gains.clone()
+    not_finite[1, 3] = float("inf")
+    for bad in (gains[:2], gains[:, :3], not_finite):
+        with pytest.raises(kvbridge.InvalidArgumentError, match="target_key_norm"):
+            kvbridge.AdapterFitter(SRC, TGT, target_key_norm=bad)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="2-D"):
+        kvbridge.AdapterFitter(SRC, TGT, target_key_norm=gains[0])

@@ -26,7 +26,7 @@ import kvbridge
 from kvbridge import hf, models
 from kvbridge._tensors import KVCache
 from kvbridge.experiments import common, corpus, eval_cross, real_eval
-from kvbridge.experiments.refine import TorchAdapter, rope
+from kvbridge.experiments.refine import TorchAdapter
 
 
 def aligned_forward(adapter: TorchAdapter, src: KVCache, index: Sequence[int],
@@ -42,9 +42,7 @@ def aligned_forward(adapter: TorchAdapter, src: KVCache, index: Sequence[int],
         x = torch.cat([feats[l] for l in layers], dim=1)
         key, value = (x @ adapter.weights[2 * j + i] + adapter.biases[2 * j + i] for i in range(2))
         t = key.shape[0]
-        key = key.view(t, h, d).transpose(0, 1)
-        if adapter.rope_aware:
-            key = rope(key, adapter.target, 0, layer=j)
+        key = adapter.target_keys(j, key)
         value = value.view(t, h, d).transpose(0, 1)
         sk, sv = start[j]
         key = torch.cat([sk[0].to(key.dtype), key[:, 1:]], dim=1)

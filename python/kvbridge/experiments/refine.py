@@ -81,6 +81,18 @@ def read_adapter(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
 
 
+def project_key_norm(key: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
+    """Key heads [..., head_dim] put back on the target's key norm set (FitOptions::
+    target_key_norm in include/kvbridge/adapter.h), differentiably."""
+    g = gains.to(key.dtype)
+    on = g != 0
+    u = key / torch.where(on, g, torch.ones_like(g))
+    total = (torch.where(on, u, torch.zeros_like(u)) ** 2).sum(-1, keepdim=True)
+    safe = torch.where(total != 0, total, torch.ones_like(total))
+    scale = torch.where(total != 0, torch.sqrt(on.sum().to(key.dtype) / safe), torch.ones_like(total))
+    return torch.where(on, key * scale, torch.zeros_like(key))
+
+
 class TorchAdapter(torch.nn.Module):
     """A differentiable LinearAdapter (see the module docstring): parameters
     ``{key,value}_weight[j]`` [features, width] and ``{key,value}_bias[j]`` [width]."""
@@ -99,6 +111,11 @@ class TorchAdapter(torch.nn.Module):
         self.metadata = meta
         self.weights = torch.nn.ParameterList()
         self.biases = torch.nn.ParameterList()
+        # The target's key norm (not trained): its gains per target layer, or None.
+        self.key_norm: Optional[List[torch.Tensor]] = None
+        if "layers.0.key_norm" in tensors:
+            self.key_norm = [tensors[f"layers.{j}.key_norm"].float()
+                             for j in range(self.target.num_layers)]
         for j in range(self.target.num_layers):
             for kind in ("key", "value"):
                 self.weights.append(torch.nn.Parameter(
@@ -129,17 +146,26 @@ class TorchAdapter(torch.nn.Module):
                              for i in range(2)))
         return out
 
+    def target_keys(self, j: int, key: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """Target layer j's keys [kv_heads, tokens, head_dim] from its map's [tokens, width]: on
+        the target's key norm set when the adapter has one, then rotated with the target RoPE
+        (what LinearAdapter.convert does after the GEMM)."""
+        t = key.shape[0]
+        key = key.view(t, self.target.num_kv_heads, self.target.head_dim).transpose(0, 1)
+        if self.key_norm is not None:
+            key = project_key_norm(key, self.key_norm[j])
+        if self.rope_aware:
+            key = rope(key, self.target, start_pos, layer=j)
+        return key
+
     def forward(self, src: KVCache, start_pos: int = 0) -> KVCache:
         """The target's legacy KV (float32, [1, kv_heads, tokens, head_dim]), differentiable."""
         h, d = self.target.num_kv_heads, self.target.head_dim
         out = []
         for j, (key, value) in enumerate(self.position_free(src, start_pos)):
             t = key.shape[0]
-            key = key.view(t, h, d).transpose(0, 1)
-            if self.rope_aware:
-                key = rope(key, self.target, start_pos, layer=j)
-            out.append((key.unsqueeze(0).float(), value.view(t, h, d).transpose(0, 1)
-                        .unsqueeze(0).float()))
+            out.append((self.target_keys(j, key, start_pos).unsqueeze(0).float(),
+                        value.view(t, h, d).transpose(0, 1).unsqueeze(0).float()))
         return tuple(out)
 
     @torch.no_grad()
@@ -182,6 +208,8 @@ class TorchAdapter(torch.nn.Module):
                     .contiguous()
                 tensors[f"layers.{j}.{kind}.bias"] = self.biases[2 * j + i].detach().float() \
                     .contiguous()
+            if self.key_norm is not None:
+                tensors[f"layers.{j}.key_norm"] = self.key_norm[j].contiguous()
         # The serving defaults were measured for the unrefined maps: not carried over.
         meta = {k: v for k, v in self.metadata.items() if k not in ("checksum", "serving")}
         meta["fit_report"] = json.dumps(report, separators=(",", ":"))
