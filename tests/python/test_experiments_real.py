@@ -1,11 +1,12 @@
-"""The real-pair quality levers (kvbridge.experiments.selective, .real_refine) on SmolLM2-135M and
-Gemma-3-270M: their forwards are checked against the plain ones they stand in for."""
+"""The real-pair quality levers and diagnostics (kvbridge.experiments.selective, .real_refine,
+.headroom) on SmolLM2-135M and Gemma-3-270M: their forwards are checked against the plain ones
+they stand in for."""
 import pytest
 import torch
 
 import kvbridge
 from kvbridge import hf, models
-from kvbridge.experiments import corpus, real_eval, real_refine, selective
+from kvbridge.experiments import corpus, headroom, real_eval, real_refine, selective
 from kvbridge.experiments.refine import TorchAdapter
 
 pytestmark = pytest.mark.skipif(
@@ -42,6 +43,21 @@ def test_recomputing_scattered_positions_over_own_kv_is_a_full_prefill(name, tok
     assert float((wrong - full[run[1:]]).abs().max()) > 1e-3 * scale
 
 
+def test_key_norm_gains_of_the_real_models(small_fit):
+    """Gemma 3 normalizes each key head with gains (1 + weight); SmolLM2 has no key norm. The
+    real-pair fit records Gemma's gains in its adapter."""
+    gemma, smol = models.load("gemma3-270m"), models.load("smollm2-135m")
+    assert hf.key_norm(smol.model) is None
+    gains = hf.key_norm(gemma.model)
+    layers = hf._decoder(gemma.model).layers
+    assert gains.shape == (len(layers), gemma.spec.head_dim)
+    for j, layer in enumerate(layers):
+        expected = 1.0 + layer.self_attn.k_norm.weight.detach().float()
+        assert torch.allclose(gains[j], expected, rtol=1e-4, atol=1e-5)
+    _, adapter, _, _ = small_fit
+    assert torch.equal(adapter.key_norm, gains)
+
+
 def test_rules_pick_the_tail_or_the_largest_deviations():
     g = torch.Generator().manual_seed(3)
     dev_l0, dev_all = torch.rand(41, generator=g), torch.rand(41, generator=g)
@@ -55,20 +71,28 @@ def test_rules_pick_the_tail_or_the_largest_deviations():
         selective.choose("nearest", 3, 37, dev_l0, dev_all)
 
 
-def test_refinement_forward_is_the_adapter_convert_with_the_own_start(tmp_path):
-    """The differentiable conversion across tokenizers equals LinearAdapter.convert with the
-    alignment and the target's own start-token KV, and its gradient predicts how a small step
-    changes the KL."""
+@pytest.fixture(scope="module")
+def small_fit(tmp_path_factory):
+    """SmolLM2 -> Gemma fitted on 6 short training windows (one source layer per target layer),
+    saved; and a seventh window, not fitted on."""
     pair = real_eval.Pair(models.load("smollm2-135m"), models.load("gemma3-270m"))
     train_files, _ = corpus.split_files(corpus.stdlib_files())
     texts = corpus.windows(train_files, 768, 7)
     adapter = real_eval.fit(pair, texts[:6], real_eval.RealConfig(window_bytes=768,
                                                                    source_layers="1"),
                             progress=False)
-    path = str(tmp_path / "a.safetensors")
+    path = str(tmp_path_factory.mktemp("fit") / "a.safetensors")
     adapter.save(path)
+    return pair, adapter, path, texts[6]
+
+
+def test_refinement_forward_is_the_adapter_convert_with_the_own_start(small_fit):
+    """The differentiable conversion across tokenizers equals LinearAdapter.convert with the
+    alignment and the target's own start-token KV, and its gradient predicts how a small step
+    changes the KL."""
+    pair, adapter, path, text = small_fit
     model = TorchAdapter(kvbridge.LinearAdapter.load(path), path)
-    window = real_refine.Window(pair, texts[6], 0.25, adapter.alignment_policy)
+    window = real_refine.Window(pair, text, 0.25, adapter.alignment_policy)
     src = hf.prefix_kv(pair.source.model, window.src_ids)
     start = real_eval.start_kv(pair.target)
     expected = real_eval.with_own_start(adapter.convert(src, alignment=window.index), start)
@@ -102,3 +126,43 @@ def test_refinement_forward_is_the_adapter_convert_with_the_own_start(tmp_path):
         after = loss()
     predicted = eta * norm2
     assert 0.5 * predicted <= float(before) - float(after) <= 1.5 * predicted
+
+
+def test_headroom_blends_scale_the_conversion_error():
+    g = torch.Generator().manual_seed(5)
+    shape = (1, 3, 17, 5)
+    conv = tuple((torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(2))
+    own = tuple((torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(2))
+    for (bk, bv), (ck, cv), (ok, ov) in zip(headroom.blend(conv, own, "scale=0.25"), conv, own):
+        assert torch.allclose(bk - ok, 0.25 * (ck - ok), atol=1e-6)
+        assert torch.allclose(bv - ov, 0.25 * (cv - ov), atol=1e-6)
+    for (bk, bv), (ck, cv), (ok, ov) in zip(headroom.blend(conv, own, "keys-own"), conv, own):
+        assert torch.equal(bk, ok) and torch.equal(bv, cv)
+    for (bk, bv), (ck, cv), (ok, ov) in zip(headroom.blend(conv, own, "values-own"), conv, own):
+        assert torch.equal(bk, ck) and torch.equal(bv, ov)
+    assert headroom.blend(conv, own, "truncate") is None
+    mixed = headroom.blend(conv, own, "own-layers=1:2")
+    assert mixed[0] is conv[0] and mixed[1] is own[1]
+    for (bk, bv), (ok, ov) in zip(headroom.blend(conv, own, "own-bf16"), own):
+        assert torch.equal(bk, ok.bfloat16().float()) and 0 < float((bv - ov).abs().max()) < 0.02
+    for bad in ("scale", "scale=", "halve", "keys", "own-layers=2:1", "own-layers=1",
+                "scale=half"):
+        with pytest.raises(kvbridge.InvalidArgumentError):
+            headroom.blend(conv, own, bad)
+
+
+def test_headroom_with_the_error_scaled_to_zero_is_the_own_prefill(small_fit):
+    """scale=0 through the whole scorer (conversion, own start token, tail cut) must give the
+    own prefill's figures exactly; the adapter as it is (scale=1) must not, or the check could
+    not fail."""
+    pair, adapter, _, text = small_fit
+    out = headroom.score(pair, adapter, [text], 0.25, [0, 5], ["scale=0", "scale=1", "truncate"],
+                         progress=False)
+    for r in ("0", "5"):
+        exact = out["variants"]["scale=0"][r]
+        assert exact["agreement"] == 1.0 and exact["deviation"] == 0.0
+        assert abs(exact["kept"] - 1.0) < 1e-6 and abs(exact["loss_conv"] - exact["loss_own"]) < 1e-6
+        approx = out["variants"]["scale=1"][r]
+        assert approx["deviation"] > 0.01 and abs(approx["loss_conv"] - approx["loss_own"]) > 1e-3
+        assert out["variants"]["truncate"][r]["deviation"] is None
+    assert out["windows"] == 1 and 0.0 < out["agreement_none"] <= 1.0

@@ -53,9 +53,13 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
                 log=print) -> kvbridge.LinearAdapter:
     """The adapter for this pair and fit setting: loaded when fitted before, else fitted and
     saved (the file name binds both fingerprints and the setting)."""
-    setting = json.dumps({k: getattr(config, k) for k in
-                          ("window_bytes", "train_windows", "heldout_share", "policy",
-                           "source_layers", "seed")}, sort_keys=True)
+    setting = {k: getattr(config, k) for k in
+               ("window_bytes", "train_windows", "heldout_share", "policy", "source_layers",
+                "seed")}
+    # An adapter fitted before the fit took the target's key norm is not this setting's.
+    setting["target_key_norm"] = real_eval.fitter_options(pair, config)["target_key_norm"] \
+        is not None
+    setting = json.dumps(setting, sort_keys=True)
     digest = hashlib.sha256(setting.encode()).hexdigest()[:12]
     path = folder / (f"{pair.source.spec.fingerprint[:12]}_to_{pair.target.spec.fingerprint[:12]}"
                      f"-{digest}.safetensors")

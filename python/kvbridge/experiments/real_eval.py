@@ -14,7 +14,8 @@ Fitting. Both models prefill each training window from position 0 with their own
 (kvbridge.hf.full_cache), and the pairs are streamed into one kvbridge.AdapterFitter:
 RoPE-aware, ``source_layers`` as given (default "auto", the fitter's default), target token j
 paired with source token a(j) of the alignment policy (default kvbridge's), the start tokens
-paired by role.
+paired by role; for a target with a key norm (QK-norm, as Gemma 3 has) its gains
+(kvbridge.hf.key_norm), so the adapter keeps converted keys on the target's norm.
 
 Metrics (DESIGN.md). A held-out window is cut at byte ``(1 - share) * n``: the target's tokens
 from there on are the continuation, the ones before it the prompt. As on the Bridge path the
@@ -52,6 +53,7 @@ from kvbridge.experiments import corpus, eval_cross
 from kvbridge.experiments.common import (Sums, alternate_timings, finite_or_null, int_at_least,
                                          layer_r2, next_token, progress_items, save_adapter,
                                          set_threads)
+from kvbridge import hf
 from kvbridge.hf import forward, prefix_kv
 
 
@@ -115,7 +117,7 @@ def fitter_options(pair: Pair, config: RealConfig) -> Dict[str, Any]:
         layers = nearest_layers(pair.source.spec.num_layers, pair.target.spec.num_layers,
                                 int(layers))
     return {"rope_aware": True, "source_layers": layers, "alignment_policy": config.policy,
-            "seed": config.seed}
+            "seed": config.seed, "target_key_norm": hf.key_norm(pair.target.model)}
 
 
 def encode(model: models.LoadedModel, text: str) -> eval_cross.Encoded:
