@@ -409,3 +409,29 @@ def test_readme_names_every_connector_counter_and_timer():
     named = _braces(paragraph[:paragraph.index("with the Bridge's")])
     assert named - {"connector.stats()"} == set(stats.COUNTERS) | set(stats.TIMERS)
     assert _braces("`a_{b,c}_d` `e`") == {"a_b_d", "a_c_d", "e"}
+
+
+def test_key_norm_and_cross_tokenizer_adapters_load_on_the_host():
+    """device_load.loads_on_host: an adapter to the spec from another tokenizer, or one keeping
+    the target's key norm (which the CUDA convert does not apply), sends its loads through
+    Bridge.load; a plain same-tokenizer adapter does not."""
+    from kvbridge.vllm import device_load
+    tgt = kvbridge.ModelSpec("kn-tgt", 2, 1, 4, rope_base=10000.0, tokenizer="tok-a")
+    g = torch.Generator().manual_seed(4)
+
+    def kv(spec):
+        return tuple((torch.randn(1, spec.num_kv_heads, 64, spec.head_dim, generator=g),
+                      torch.randn(1, spec.num_kv_heads, 64, spec.head_dim, generator=g))
+                     for _ in range(spec.num_layers))
+
+    def adapter(name, **kw):
+        src = kvbridge.ModelSpec(name, 2, 2, 8, rope_base=10000.0, tokenizer="tok-a")
+        fitter = kvbridge.AdapterFitter(src, tgt, source_layers="all", **kw)
+        fitter.add(kv(src), kv(tgt))
+        return fitter.fit()
+
+    bridge = kvbridge.Bridge(kvbridge.KVStore(capacity_bytes=1 << 20, chunk_tokens=4))
+    bridge.add_adapter(adapter("kn-plain"))
+    assert not device_load.loads_on_host(bridge, tgt)
+    bridge.add_adapter(adapter("kn-normed", target_key_norm=torch.rand(2, 4, generator=g) + 0.5))
+    assert device_load.loads_on_host(bridge, tgt)

@@ -180,10 +180,13 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
                       native.adapter)
 
 
-def across_tokenizers(bridge: Bridge, spec: _core.ModelSpec) -> bool:
-    """True when an adapter to `spec` from another tokenizer is registered: the connector then
-    loads through Bridge.load (on the CPU, which aligns the tokenizations), not through `load`."""
-    return any(a.target.fingerprint == spec.fingerprint and a.source.tokenizer != spec.tokenizer
+def loads_on_host(bridge: Bridge, spec: _core.ModelSpec) -> bool:
+    """True when an adapter to `spec` is registered that only the CPU path can serve: one from
+    another tokenizer (Bridge.load aligns the tokenizations) or one with the target's key norm
+    (the CUDA convert does not apply it yet). The connector then loads through Bridge.load, not
+    through `load`."""
+    return any(a.target.fingerprint == spec.fingerprint
+               and (a.source.tokenizer != spec.tokenizer or a.key_norm is not None)
                for a in bridge.adapters())
 
 
@@ -203,4 +206,4 @@ def wants_device_load(layers: Optional[Sequence[Tuple[torch.Tensor, torch.Tensor
     return bool(layers) and layers[0][0].device.type == "cuda"
 
 
-__all__ = ["DeviceLoad", "across_tokenizers", "load", "tail_of", "wants_device_load"]
+__all__ = ["DeviceLoad", "load", "loads_on_host", "tail_of", "wants_device_load"]

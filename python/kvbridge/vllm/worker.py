@@ -183,7 +183,7 @@ def load_into_blocks(bridge: Bridge, spec: _core.ModelSpec,
         if layers is None:
             raise RuntimeError("no KV caches registered")
         if (device_load.wants_device_load(layers)  # convert on the cache's device
-                and not device_load.across_tokenizers(bridge, spec)):
+                and not device_load.loads_on_host(bridge, spec)):
             hit = device_load.load(bridge, spec, op.tokens, op.namespace, layers[0][0].device)
         else:
             hit = bridge.load(spec, op.tokens, op.namespace)
