@@ -228,21 +228,26 @@ void check_key_norm(const std::vector<std::vector<float>>& gains, const ModelSpe
 template <typename T>
 void project_key_norm(const std::vector<float>& g, int64_t heads, int64_t n, T* keys, int64_t ld) {
   const int64_t d = static_cast<int64_t>(g.size());
+  // 1 / g_i, and 0 where g_i = 0, so the loops below multiply only (and mask by it).
+  std::vector<T> inv(static_cast<size_t>(d));
   int64_t used = 0;
-  for (float v : g) used += v != 0;
+  for (int64_t i = 0; i < d; ++i) {
+    const float gi = g[static_cast<size_t>(i)];
+    inv[static_cast<size_t>(i)] = gi != 0 ? T(1) / static_cast<T>(gi) : T(0);
+    used += gi != 0;
+  }
   for (int64_t t = 0; t < n; ++t)
     for (int64_t h = 0; h < heads; ++h) {
       T* k = keys + t * ld + h * d;
       T sum = 0;
-      for (int64_t i = 0; i < d; ++i)
-        if (g[static_cast<size_t>(i)] != 0) {
-          const T u = k[i] / static_cast<T>(g[static_cast<size_t>(i)]);
-          sum += u * u;
-        }
+      for (int64_t i = 0; i < d; ++i) {
+        const T u = k[i] * inv[static_cast<size_t>(i)];
+        sum += u * u;
+      }
       // A head with nothing to scale keeps its values (sum 0); NaN stays NaN, as elsewhere.
       const T scale = sum != 0 ? std::sqrt(static_cast<T>(used) / sum) : T(1);
       for (int64_t i = 0; i < d; ++i)
-        k[i] = g[static_cast<size_t>(i)] != 0 ? k[i] * scale : T(0);
+        k[i] = inv[static_cast<size_t>(i)] != 0 ? k[i] * scale : T(0);
     }
 }
 template void project_key_norm<float>(const std::vector<float>&, int64_t, int64_t, float*,
