@@ -1,5 +1,6 @@
-// The memory tier of KVStore: byte accounting and buffer recycling, payload allocation, the chunk
-// entries, the sharded index and eviction (kv_store.h describes the budget and its accounting).
+// The memory tier of KVStore: byte accounting and buffer recycling, payload allocation (also
+// for a lower tier's lookup, PayloadPool), the chunk entries, the sharded index and eviction
+// (kv_store.h describes the budget and its accounting).
 // Thread-safe: one lock per shard (pin_prefix alone holds several at once, always taken in
 // ascending shard order); entries are shared_ptrs, pinned while a Match holds them.
 #pragma once
