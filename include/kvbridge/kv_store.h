@@ -36,6 +36,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "kvbridge/kv_view.h"
 #include "kvbridge/model_spec.h"
@@ -46,6 +47,17 @@
 #include "kvbridge/store_stats.h"
 
 namespace kvbridge {
+
+/// One tier a store can have, as the API names it.
+struct StoreTierInfo {
+  const char* name;              ///< "memory", "disk", "redis": its `tier` label, Python name
+  StoreTier bit;                 ///< its bit in erase()'s and clear()'s masks
+  TierStats StoreStats::*stats;  ///< its section of StoreStats
+};
+/// Every tier a store can have, configured or not: memory, then the lower tiers in the order
+/// match() walks them. stats(), metrics_text(), erase(), clear() and the Python names of the
+/// tiers all follow this list.
+const std::vector<StoreTierInfo>& store_tiers();
 
 class KVStore {
  public:

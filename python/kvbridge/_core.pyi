@@ -114,6 +114,7 @@ class StoreOptions:
     redis_filter_hashes: int
     redis_filter_refresh_ms: int
 
+TIERS: list[tuple[str, int]]  # (name, mask bit) of every tier, memory first
 MEMORY_TIER: int
 DISK_TIER: int
 REDIS_TIER: int

@@ -32,7 +32,8 @@ class Match:
     adapter: str = ""
 
 
-_TIER_BITS = {"memory": _core.MEMORY_TIER, "disk": _core.DISK_TIER, "redis": _core.REDIS_TIER}
+_TIER_BITS = dict(_core.TIERS)  # the store's table of tiers: name -> erase / clear mask bit
+_TIER_NAMES = ", ".join(repr(t) for t in list(_TIER_BITS)[:-1]) + f" or {list(_TIER_BITS)[-1]!r}"
 
 
 def _tier_mask(tiers: Iterable[str]) -> int:
@@ -41,7 +42,7 @@ def _tier_mask(tiers: Iterable[str]) -> int:
     mask = 0
     for t in tiers:
         if t not in _TIER_BITS:
-            raise InvalidArgumentError(f"tiers: expected 'memory', 'disk' or 'redis', got {t!r}")
+            raise InvalidArgumentError(f"tiers: expected {_TIER_NAMES}, got {t!r}")
         mask |= _TIER_BITS[t]
     return mask
 

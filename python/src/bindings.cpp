@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <iterator>
@@ -98,9 +99,7 @@ py::dict stats_dict(const StoreStats& from) {
   py::dict d;
   KVBRIDGE_STORE_GAUGES(KVBRIDGE_DICT_ITEM_)
   KVBRIDGE_STORE_COUNTERS(KVBRIDGE_DICT_ITEM_)
-  d["memory"] = tier_dict(from.memory);
-  d["disk"] = tier_dict(from.disk);
-  d["redis"] = tier_dict(from.redis);
+  for (const StoreTierInfo& tier : store_tiers()) d[tier.name] = tier_dict(from.*tier.stats);
   d["remote"] = remote_dict(from.remote);
   return d;
 }
@@ -631,9 +630,17 @@ PYBIND11_MODULE(_core, m) {
   flat_option(options, "redis_filter_refresh_ms", &StoreOptions::redis,
               &RedisOptions::filter_refresh_ms);
 
-  m.attr("MEMORY_TIER") = static_cast<unsigned>(kMemoryTier);
-  m.attr("DISK_TIER") = static_cast<unsigned>(kDiskTier);
-  m.attr("REDIS_TIER") = static_cast<unsigned>(kRedisTier);
+  // The tiers' names and mask bits, from the store's table: TIERS in walk order, and
+  // <NAME>_TIER each.
+  py::list tiers;
+  for (const StoreTierInfo& tier : store_tiers()) {
+    const unsigned bit = static_cast<unsigned>(tier.bit);
+    tiers.append(py::make_tuple(tier.name, bit));
+    std::string upper = tier.name;
+    for (char& ch : upper) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    m.attr((upper + "_TIER").c_str()) = bit;
+  }
+  m.attr("TIERS") = tiers;
 
   py::class_<KVStore>(m, "KVStore")
       .def(py::init([](const StoreOptions& o) {

@@ -127,23 +127,28 @@ bool DiskTier::has_file(const Hash128& key, const Fingerprint& fp) {
   return impl_->stat_file(key, fp, impl_->clock());
 }
 
-void DiskTier::fill(StoreStats* s) const {
-  counters_.fill(&s->disk);
-  s->disk.enabled = true;
-  s->disk.capacity_bytes = capacity_bytes();
-  s->disk.bytes_used = bytes_used();
-  s->disk.entries = entries();
+void DiskTier::fill(TierStats* own, StoreStats*) const {
+  counters_.fill(own);
+  own->capacity_bytes = capacity_bytes();
+  own->bytes_used = bytes_used();
+  own->entries = entries();
 }
 
-LoadResult DiskTier::load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>&,
-                          LoadedMeta* meta) {
-  if (!contains(chain.key(c), chain.fingerprint())) {
+void DiskTier::lookup(const LookupBatch& batch, PayloadPool& payloads,
+                      std::vector<LookupAnswer>* answers) {
+  if (batch.run.empty()) {  // may_hold() rules nothing out, so never; counted as the miss
     TierCounters::add(counters_.misses);
-    return LoadResult::kMiss;
+    return;
   }
-  char* payload = chain.payload(c);
-  if (!payload) return LoadResult::kNoRoom;
-  return read_entry(chain.expected(c), payload, meta);
+  LookupAnswer& a = answers->emplace_back();
+  const ExpectedEntry& want = batch.run[0];
+  if (!contains(want.key, batch.fp)) {
+    TierCounters::add(counters_.misses);
+    a.result = LoadResult::kMiss;
+    return;
+  }
+  char* payload = payloads.get(0);
+  a.result = payload ? read_entry(want, payload, &a.meta) : LoadResult::kNoRoom;
 }
 
 bool DiskTier::wants(const Hash128& key, const Fingerprint& fp, const ChunkEntry*) {

@@ -35,17 +35,19 @@ class DiskTier final : public LowerTier {
 
   // --- LowerTier ------------------------------------------------------------------------------
 
-  const char* name() const override { return "disk"; }
-  StoreTier mask_bit() const override { return kDiskTier; }
-  TierCounters& counters() override { return counters_; }
-  void fill(StoreStats* s) const override;
+  /// Its counters, budget, bytes used and entries.
+  void fill(TierStats* own, StoreStats* all) const override;
 
   /// Whether fp's file of key exists and has not expired (an expired one is removed). Answers
   /// from the index, else with one stat (another store may have written it).
   bool contains(const Hash128& key, const Fingerprint& fp) override;
-  /// contains(), then read_entry() into chain.payload(c).
-  LoadResult load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>& state,
-                  LoadedMeta* meta) override;
+  /// 1: files are read one at a time.
+  size_t read_ahead_chunks(const ChunkGeometry&) const override { return 1; }
+  /// True: contains() tells, with a stat when the index does not know the key.
+  bool may_hold(const Hash128&) const override { return true; }
+  /// The run's one chunk: contains(), then read_entry() into payloads.get(0).
+  void lookup(const LookupBatch& batch, PayloadPool& payloads,
+              std::vector<LookupAnswer>* answers) override;
   /// A put writes every chunk whose file is not there (has_file).
   bool wants(const Hash128& key, const Fingerprint& fp, const ChunkEntry* pinned) override;
   /// Each chunk is written as the put reaches it.
@@ -96,7 +98,6 @@ class DiskTier final : public LowerTier {
 
  private:
   struct Impl;
-  TierCounters counters_;
   std::unique_ptr<Impl> impl_;
 };
 

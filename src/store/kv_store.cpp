@@ -9,21 +9,18 @@
 
 #include "kvbridge/error.h"
 #include "src/core/byte_order.h"
-#include "src/core/path_check.h"
 #include "src/core/prometheus.h"
 #include "src/core/xxh3.h"
 #include "src/index/chain_hashes.h"
 #include "src/index/token_ids.h"
-#include "src/store/disk_tier.h"
 #include "src/store/entry_codec.h"
 #include "src/store/memory_tier.h"
-#include "src/store/redis_tier.h"
 #include "src/store/tier.h"
+#include "src/store/tier_table.h"
 
 namespace kvbridge {
 using detail::ChunkEntry;
 using detail::ChunkShape;
-using detail::DiskTier;
 using detail::EntryHeader;
 using detail::ExpectedEntry;
 using detail::Fingerprint;
@@ -31,7 +28,6 @@ using detail::LoadResult;
 using detail::LowerTier;
 using detail::MemoryTier;
 using detail::PackedEntry;
-using detail::RedisTier;
 using detail::TierCounters;
 
 const char* eviction_policy_name(EvictionPolicy policy) noexcept {
@@ -128,8 +124,10 @@ struct KVStore::Impl {
   std::function<int64_t()> clock;
   const int64_t ttl_ms;
   MemoryTier memory;
-  // The tiers below memory in the order lookups walk them (disk, then Redis).
+  // The tiers below memory that the options turn on, in the order lookups walk them
+  // (tier_table.h), and their rows of the table.
   std::vector<std::unique_ptr<LowerTier>> tiers;
+  std::vector<const detail::TierKind*> kinds;
 
   KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STATS_ATOMIC_)
 
@@ -207,44 +205,61 @@ struct KVStore::Impl {
     Hash128 parent(size_t c) { return c == 0 ? salt : at(c - 1); }
   };
 
-  // One match() call's chain, as the lower tiers see it: chunk payloads are read into memory
-  // entries made here (fresh[c]), which the store indexes on a hit.
-  struct Lookup final : detail::ChainLookup {
-    Lookup(Impl& store, const Call& c, Keys& k, size_t n)
-        : m(store), call(c), keys(k), count(n), states(store.tiers.size()) {}
+  // One match() call's lookups of the lower tiers: for each tier the run it last asked about
+  // and the answers (a tier reading ahead answers chunks the walk reaches later), and the
+  // payload buffers of that run.
+  struct Lookup {
+    struct Asked {
+      explicit Asked(MemoryTier& memory) : payloads(memory) {}
+      detail::LookupBatch batch;
+      detail::PayloadPool payloads;
+      std::vector<detail::LookupAnswer> answers;
+      bool answers_for(size_t c) const {
+        return c >= batch.first && c - batch.first < answers.size();
+      }
+    };
+    Lookup(Impl& store, const Call& c, Keys& k, size_t n) : m(store), call(c), keys(k), count(n) {
+      asked.reserve(store.tiers.size());
+      for (size_t t = 0; t < store.tiers.size(); ++t) asked.emplace_back(store.memory);
+    }
     Impl& m;
     const Call& call;
     Keys& keys;
     size_t count;
-    std::vector<std::shared_ptr<ChunkEntry>> fresh;  // sized on first use
-    std::vector<std::unique_ptr<LowerTier::LookupState>> states;  // one per tier
+    std::vector<Asked> asked;  // one per tier
 
-    std::string_view ns() const override { return call.ns; }
-    const Fingerprint& fingerprint() const override { return call.shape.fp; }
-    size_t chunks() const override { return count; }
-    const Hash128& key(size_t c) override { return keys.at(c); }
     const uint32_t* ids(size_t c) const {
       return keys.tokens + static_cast<int64_t>(c) * call.shape.geometry.chunk;
     }
-    ExpectedEntry expected(size_t c) override {
-      return m.expected(call, keys.at(c), keys.parent(c), ids(c));
-    }
-    bool held_above(size_t c, const LowerTier& tier) override {
+    // Whether memory or a tier walked before tier t holds chunk c (a run stops there).
+    bool held_above(size_t c, size_t t) {
       const Hash128& k = keys.at(c);
       if (m.memory.contains(k)) return true;
-      for (const auto& t : m.tiers) {
-        if (t.get() == &tier) break;
-        if (t->contains(k, call.shape.fp)) return true;
-      }
+      for (size_t above = 0; above < t; ++above)
+        if (m.tiers[above]->contains(k, call.shape.fp)) return true;
       return false;
     }
-    char* payload(size_t c) override {
-      if (fresh.size() < count) fresh.resize(count);
-      if (!fresh[c]) fresh[c] = m.memory.new_entry(call.shape, keys.parent(c), ids(c), call.now_ms);
-      return fresh[c] ? fresh[c]->kv : nullptr;
-    }
-    void discard(size_t c) override {
-      if (c < fresh.size()) fresh[c].reset();
+    // Asks tier t about the run from chunk c (keys are hashed as the run grows: it stops
+    // early) and frees the buffers of the chunks it did not answer as hits.
+    void ask(size_t t, size_t c) {
+      LowerTier& tier = *m.tiers[t];
+      Asked& a = asked[t];
+      a.batch.ns = call.ns;
+      a.batch.fp = call.shape.fp;
+      a.batch.first = c;
+      a.batch.run.clear();
+      a.answers.clear();
+      const size_t cap = std::min(tier.read_ahead_chunks(call.shape.geometry), count - c);
+      for (size_t k = c; k < c + cap; ++k) {
+        const Hash128 key = keys.at(k);
+        if (!tier.may_hold(key) || (k > c && held_above(k, t))) break;
+        a.batch.run.push_back(m.expected(call, key, keys.parent(k), ids(k)));
+      }
+      a.payloads.start(a.batch.run);
+      tier.lookup(a.batch, a.payloads, &a.answers);
+      for (size_t i = 0; i < a.batch.run.size(); ++i)
+        if (i >= a.answers.size() || a.answers[i].result != LoadResult::kHit)
+          a.payloads.discard(i);
     }
   };
 
@@ -255,25 +270,28 @@ struct KVStore::Impl {
   // Looks chunk c up in each lower tier in turn and promotes a hit into memory. Returns the
   // pinned entry, or nullptr (a miss or a collision, *collision says which; or no room).
   std::shared_ptr<const ChunkEntry> load_lower(Lookup& lookup, size_t c, bool* collision) {
-    const Hash128 key = lookup.key(c);
+    const Hash128 key = lookup.keys.at(c);
     for (size_t t = 0; t < tiers.size(); ++t) {
       LowerTier& tier = *tiers[t];
-      detail::LoadedMeta meta;
-      const LoadResult r = tier.load(lookup, c, lookup.states[t], &meta);
-      if (r == LoadResult::kMiss) continue;
-      if (r == LoadResult::kNoRoom) {
+      Lookup::Asked& asked = lookup.asked[t];
+      if (!asked.answers_for(c)) lookup.ask(t, c);
+      if (!asked.answers_for(c)) continue;  // ruled out without a read
+      const size_t i = c - asked.batch.first;
+      const detail::LookupAnswer& a = asked.answers[i];
+      if (a.result == LoadResult::kMiss) continue;
+      if (a.result == LoadResult::kNoRoom) {
         promotions_rejected.fetch_add(1, std::memory_order_relaxed);
         return nullptr;
       }
-      if (r == LoadResult::kCollision) {
+      if (a.result == LoadResult::kCollision) {
         *collision = true;
         return nullptr;
       }
-      std::shared_ptr<ChunkEntry> entry = std::move(lookup.fresh[c]);
-      entry->created_ms = meta.created_ms;
-      entry->provenance = meta.provenance;
-      if (meta.mark >= 0)
-        entry->tier_marks[tier.slot()].store(meta.mark, std::memory_order_relaxed);
+      std::shared_ptr<ChunkEntry> entry = asked.payloads.take(i);
+      entry->created_ms = a.meta.created_ms;
+      entry->provenance = a.meta.provenance;
+      if (a.meta.mark >= 0)
+        entry->tier_marks[tier.slot()].store(a.meta.mark, std::memory_order_relaxed);
       std::shared_ptr<const ChunkEntry> pin;
       bool inserted = false;
       if (memory.insert(key, std::move(entry), lookup.call.now_ms, &pin, &inserted) ==
@@ -282,7 +300,7 @@ struct KVStore::Impl {
         return nullptr;
       }
       if (inserted) promotions.fetch_add(1, std::memory_order_relaxed);
-      TierCounters::add(tier.counters().hit_chunks);
+      tier.served();
       return pin;
     }
     return nullptr;
@@ -303,14 +321,13 @@ KVStore::KVStore(const StoreOptions& options) {
             "eviction 'ttl' needs ttl_seconds > 0");
   KVB_CHECK(options.storage == StorageFormat::kNative || options.storage == StorageFormat::kInt8,
             "storage: unknown format " << static_cast<int>(options.storage));
-  KVB_CHECK(!options.disk.enabled() || options.disk.capacity_bytes > 0,
-            "disk_capacity_bytes must be > 0, got " << options.disk.capacity_bytes);
-  if (options.disk.enabled()) detail::check_path(options.disk.dir, "disk_dir");
   impl_ = std::make_unique<Impl>(options);
-  if (options.disk.enabled())
-    impl_->tiers.push_back(std::make_unique<DiskTier>(options, impl_->clock));
-  if (options.redis.enabled()) impl_->tiers.push_back(std::make_unique<RedisTier>(options));
-  for (size_t t = 0; t < impl_->tiers.size(); ++t) impl_->tiers[t]->set_slot(t);
+  for (const detail::TierKind& kind : detail::tier_kinds()) {
+    if (!kind.make || !kind.enabled(options)) continue;
+    impl_->tiers.push_back(kind.make(options, impl_->clock));
+    impl_->tiers.back()->set_slot(impl_->tiers.size() - 1);
+    impl_->kinds.push_back(&kind);
+  }
 }
 
 KVStore::~KVStore() = default;
@@ -541,8 +558,8 @@ int64_t KVStore::erase(const ModelSpec& spec, TokenSpan tokens, std::string_view
     parent = keys[c];
   }
   const Fingerprint fp = detail::to_fingerprint(spec.fingerprint());
-  for (const auto& tier : m.tiers)
-    if (tiers & tier->mask_bit()) removed += tier->erase(ns, fp, keys);
+  for (size_t t = 0; t < m.tiers.size(); ++t)
+    if (tiers & m.kinds[t]->info.bit) removed += m.tiers[t]->erase(ns, fp, keys);
   return removed;
 }
 
@@ -577,8 +594,8 @@ InvalidateResult KVStore::invalidate_adapter(const ModelSpec& target,
 void KVStore::clear(unsigned tiers) {
   Impl& m = *impl_;
   if (tiers & kMemoryTier) m.erased.fetch_add(m.memory.clear(), std::memory_order_relaxed);
-  for (const auto& tier : m.tiers)
-    if (tiers & tier->mask_bit()) tier->clear();
+  for (size_t t = 0; t < m.tiers.size(); ++t)
+    if (tiers & m.kinds[t]->info.bit) m.tiers[t]->clear();
 }
 
 StoreStats KVStore::stats() const {
@@ -589,20 +606,23 @@ StoreStats KVStore::stats() const {
   KVBRIDGE_STORE_COUNTERS(KVBRIDGE_STORE_LOAD_)
 #undef KVBRIDGE_STORE_LOAD_
   m.memory.fill(&st);
-  for (const auto& tier : m.tiers) tier->fill(&st);  // an absent tier's section stays zero
+  for (size_t t = 0; t < m.tiers.size(); ++t) {  // an absent tier's section stays zero
+    TierStats& own = st.*(m.kinds[t]->info.stats);
+    own.enabled = true;
+    m.tiers[t]->fill(&own, &st);
+  }
   return st;
 }
 
 std::string KVStore::metrics_text() const {
   const StoreStats st = stats();
   detail::PrometheusText out("kvbridge_store_");
-  // Tier fields: one family each, a sample per tier.
-  const std::pair<const char*, const TierStats*> tiers[] = {
-      {"memory", &st.memory}, {"disk", &st.disk}, {"redis", &st.redis}};
-#define KVBRIDGE_TIER_FAMILY_(type, member, metric, kind, help)                       \
-  out.family(metric, #kind, help);                                                    \
-  for (const auto& [tier, ts] : tiers)                                                \
-    out.sample(metric, std::string("tier=\"") + tier + "\"", static_cast<double>(ts->member));
+  // Tier fields: one family each, a sample per tier (configured or not).
+#define KVBRIDGE_TIER_FAMILY_(type, member, metric, kind, help)                           \
+  out.family(metric, #kind, help);                                                        \
+  for (const StoreTierInfo& tier : store_tiers())                                         \
+    out.sample(metric, std::string("tier=\"") + tier.name + "\"",                       \
+               static_cast<double>((st.*tier.stats).member));
   KVBRIDGE_TIER_GAUGES(KVBRIDGE_TIER_FAMILY_)
   KVBRIDGE_TIER_COUNTERS(KVBRIDGE_TIER_FAMILY_)
 #undef KVBRIDGE_TIER_FAMILY_

@@ -1,5 +1,6 @@
-// The memory tier of KVStore: byte accounting and buffer recycling, payload allocation, the chunk
-// entries, the sharded index and eviction (kv_store.h describes the budget and its accounting).
+// The memory tier of KVStore: byte accounting and buffer recycling, payload allocation (also
+// for a lower tier's lookup, PayloadPool), the chunk entries, the sharded index and eviction
+// (kv_store.h describes the budget and its accounting).
 // Thread-safe: one lock per shard (pin_prefix alone holds several at once, always taken in
 // ascending shard order); entries are shared_ptrs, pinned while a Match holds them.
 #pragma once
@@ -292,6 +293,40 @@ class MemoryTier {
   std::atomic<uint32_t> evict_cursor_{0};
   std::atomic<int64_t> entries_{0};
   TierCounters counters_;
+};
+
+/// The payload buffers of one lookup's run (LookupBatch), owned by the store: chunk i's is a
+/// new memory entry made when the tier first asks for it, so only values a tier actually has
+/// take memory (making one may evict). The store takes the hits' entries and frees the rest.
+class PayloadPool {
+ public:
+  explicit PayloadPool(MemoryTier& memory) : memory_(memory) {}
+
+  /// Frees every buffer of the last run and starts this one (kept by the caller meanwhile).
+  void start(const std::vector<ExpectedEntry>& run) {
+    fresh_.clear();
+    fresh_.resize(run.size());
+    run_ = &run;
+  }
+  /// Chunk i's payload buffer (run[i].geometry.payload_bytes; the same one until discard(i)),
+  /// or null when memory has no room.
+  char* get(size_t i) {
+    if (!fresh_[i]) {
+      const ExpectedEntry& w = (*run_)[i];
+      fresh_[i] = memory_.new_entry(ChunkShape{w.salt, w.fingerprint, w.geometry}, w.parent,
+                                    w.tokens, w.now_ms);
+    }
+    return fresh_[i] ? fresh_[i]->kv : nullptr;
+  }
+  /// Frees chunk i's buffer (what was read into it is not the entry).
+  void discard(size_t i) { fresh_[i].reset(); }
+  /// Chunk i's entry, for the store to index (a hit's).
+  std::shared_ptr<ChunkEntry> take(size_t i) { return std::move(fresh_[i]); }
+
+ private:
+  MemoryTier& memory_;
+  const std::vector<ExpectedEntry>* run_ = nullptr;
+  std::vector<std::shared_ptr<ChunkEntry>> fresh_;
 };
 
 template <typename Pred>

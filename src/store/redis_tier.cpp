@@ -451,11 +451,10 @@ void RedisTier::invalidate_adapter(const Fingerprint& fp, const Fingerprint& ada
                                &r->redis_complete, &adapter);
 }
 
-void RedisTier::fill(StoreStats* s) const {
-  counters_.fill(&s->redis);
-  remote_.fill(&s->remote);
-  s->redis.enabled = true;
-  s->remote.filter_active = filter_active();
+void RedisTier::fill(TierStats* own, StoreStats* all) const {
+  counters_.fill(own);
+  remote_.fill(&all->remote);
+  all->remote.filter_active = filter_active();
 }
 
 size_t RedisTier::batch_bytes() const {
@@ -492,8 +491,17 @@ int64_t RedisTier::erase(std::string_view ns, const Fingerprint& fp,
   return 0;
 }
 
-// What one fetched value became: verified into chain.payload(k), or not.
-struct RedisTier::Slot {
+size_t RedisTier::read_ahead_chunks(const ChunkGeometry& g) const {
+  const size_t value_bytes = entry_encoded_bytes(g.chunk, g.payload_bytes);
+  return std::max<size_t>(
+      1, std::min<size_t>(1024, static_cast<size_t>(impl_->options.redis.batch_bytes) /
+                                    value_bytes));
+}
+
+namespace {
+
+// What one fetched value became: verified into its payload buffer, or not.
+struct Slot {
   bool present = false;
   bool no_room = false;
   bool drop = false;  // corrupt or expired: delete it from the server
@@ -501,86 +509,67 @@ struct RedisTier::Slot {
   LoadedMeta meta;
 };
 
-// A lookup's window of values fetched in one round trip: chunks [begin, begin + count).
-struct RedisTier::Window : LookupState {
-  size_t begin = 0;
-  size_t count = 0;
-  std::vector<Slot> slots;
-  std::vector<std::string> names;
-  int64_t epoch = -1;  // epoch() before the fetch
-};
+}  // namespace
 
-bool RedisTier::fetch_window(ChainLookup& chain, size_t c, Window* w) {
+void RedisTier::lookup(const LookupBatch& batch, PayloadPool& payloads,
+                       std::vector<LookupAnswer>* answers) {
   RemoteCounters& rc = remote_;
-  if (!may_contain(chain.key(c))) {
+  if (batch.run.empty()) {  // the filter ruled the first chunk out
     TierCounters::add(rc.filter_negatives);
     TierCounters::add(counters_.misses);
-    return false;
+    return;
   }
   TierCounters::add(rc.filter_passes);
-  const ExpectedEntry first = chain.expected(c);
-  const size_t value_bytes =
-      entry_encoded_bytes(first.geometry.chunk, first.geometry.payload_bytes);
-  const size_t limit = std::max<size_t>(
-      1, std::min<size_t>(1024, static_cast<size_t>(impl_->options.redis.batch_bytes) /
-                                    value_bytes));
-  w->begin = c;
-  w->epoch = epoch();
-  w->names.clear();
-  w->names.push_back(key_for(chain.ns(), chain.fingerprint(), chain.key(c)));
-  for (size_t k = c + 1; k < chain.chunks() && w->names.size() < limit; ++k) {
-    const Hash128& key = chain.key(k);
-    if (!may_contain(key) || chain.held_above(k, *this)) break;
-    w->names.push_back(key_for(chain.ns(), chain.fingerprint(), key));
-  }
-  w->count = w->names.size();
-  w->slots.assign(w->count, Slot{});
+  const size_t count = batch.run.size();
+  const int64_t before = epoch();  // the hits' mark
+  std::vector<std::string> names;
+  names.reserve(count);
+  for (const ExpectedEntry& want : batch.run)
+    names.push_back(key_for(batch.ns, batch.fp, want.key));
+  std::vector<Slot> slots(count);
   // Each value is verified and copied into its buffer while hiredis parses the reply.
   auto consume = [&](size_t i, const unsigned char* data, size_t size) {
-    if (i >= w->count) return;
-    Slot& slot = w->slots[i];
+    if (i >= count) return;
+    Slot& slot = slots[i];
     slot.present = true;
-    const size_t k = w->begin + i;
-    char* payload = chain.payload(k);
+    char* payload = payloads.get(i);
     if (!payload) {
       slot.no_room = true;
       return;
     }
     slot.result =
-        load_value(data, size, chain.expected(k), payload, &slot.meta, &counters_, &slot.drop);
-    if (slot.result != LoadResult::kHit) chain.discard(k);
+        load_value(data, size, batch.run[i], payload, &slot.meta, &counters_, &slot.drop);
+    if (slot.result != LoadResult::kHit) payloads.discard(i);
   };
-  if (!fetch(w->names, consume)) {
-    w->count = 0;
-    w->slots.clear();
+  if (!fetch(names, consume)) {
     TierCounters::add(counters_.misses);
-    return false;
+    answers->push_back({LoadResult::kMiss, {}});
+    return;
   }
   std::vector<std::string> damaged;
-  for (size_t i = 0; i < w->count; ++i)
-    if (w->slots[i].drop) damaged.push_back(w->names[i]);
+  for (size_t i = 0; i < count; ++i)
+    if (slots[i].drop) damaged.push_back(names[i]);
   if (!damaged.empty()) remove(damaged);
-  return true;
-}
-
-LoadResult RedisTier::load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>& state,
-                           LoadedMeta* meta) {
-  if (!state) state = std::make_unique<Window>();
-  Window& w = static_cast<Window&>(*state);
-  if (c < w.begin || c >= w.begin + w.count) {
-    if (!fetch_window(chain, c, &w)) return LoadResult::kMiss;
+  // The walk stops at the first chunk that is not a hit, so the answers do too (an absent
+  // value counts its miss only when it is answered).
+  for (size_t i = 0; i < count; ++i) {
+    const Slot& slot = slots[i];
+    LookupAnswer& a = answers->emplace_back();
+    if (!slot.present) {
+      TierCounters::add(counters_.misses);
+      if (filter_active()) TierCounters::add(rc.filter_false_positives);
+      a.result = LoadResult::kMiss;
+      return;
+    }
+    if (slot.no_room) {
+      a.result = LoadResult::kNoRoom;
+      return;
+    }
+    a.result = slot.result;
+    if (a.result != LoadResult::kHit) return;
+    a.meta = slot.meta;
+    a.meta.mark = before;
   }
-  const Slot& slot = w.slots[c - w.begin];
-  if (!slot.present) {
-    TierCounters::add(counters_.misses);
-    if (filter_active()) TierCounters::add(remote_.filter_false_positives);
-    return LoadResult::kMiss;
-  }
-  if (slot.no_room) return LoadResult::kNoRoom;
-  if (slot.result != LoadResult::kHit) return slot.result;
-  *meta = slot.meta;
-  meta->mark = w.epoch;
-  return LoadResult::kHit;
 }
 
 int64_t RedisTier::clear() {

@@ -54,18 +54,19 @@ class RedisTier final : public LowerTier {
 
   // --- LowerTier ------------------------------------------------------------------------------
 
-  const char* name() const override { return "redis"; }
-  StoreTier mask_bit() const override { return kRedisTier; }
-  TierCounters& counters() override { return counters_; }
-  /// The redis and remote sections of the stats.
-  void fill(StoreStats* s) const override;
+  /// Its counters, and the remote section of *all.
+  void fill(TierStats* own, StoreStats* all) const override;
   /// False: telling would take a round trip.
   bool contains(const Hash128&, const Fingerprint&) override { return false; }
-  /// Fetches chunk c together with the following chunks that no tier above holds and the
-  /// filter lets through, up to RedisOptions::batch_bytes, in one MGET (the window is the
-  /// lookup's state); each value is verified into chain.payload(k) while hiredis parses it.
-  LoadResult load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>& state,
-                  LoadedMeta* meta) override;
+  /// The values of about RedisOptions::batch_bytes (at least 1, at most 1024): one MGET's worth.
+  size_t read_ahead_chunks(const ChunkGeometry& g) const override;
+  /// may_contain().
+  bool may_hold(const Hash128& key) const override { return may_contain(key); }
+  /// Fetches the run in one MGET, each value verified into payloads.get(i) while hiredis
+  /// parses it; answers its hits in order up to and including the first chunk that is not
+  /// one. An empty run is a filter negative (and a miss).
+  void lookup(const LookupBatch& batch, PayloadPool& payloads,
+              std::vector<LookupAnswer>* answers) override;
   /// A put sends every chunk the server is not known to hold: new ones, and ones put or read
   /// while it was down or before it last failed (its mark in the memory entry != epoch()), so an
   /// outage is repaired by the next put.
@@ -128,11 +129,7 @@ class RedisTier final : public LowerTier {
 
  private:
   struct Impl;
-  struct Slot;
-  struct Window;
-  bool fetch_window(ChainLookup& chain, size_t c, Window* w);
 
-  TierCounters counters_;
   RemoteCounters remote_;
   std::unique_ptr<Impl> impl_;
 };

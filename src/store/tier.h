@@ -1,5 +1,5 @@
 // The store's lower tiers (disk, Redis): the LowerTier interface KVStore walks, their counters,
-// and how a lookup describes the entry it requires.
+// and the lookups it makes of them (a run of chunks, each the entry it requires).
 #pragma once
 
 #include <atomic>
@@ -60,32 +60,28 @@ inline LoadResult count_check(EntryCheck r, size_t total_bytes, TierCounters& c)
   return LoadResult::kMiss;
 }
 
-struct ChunkEntry;  // memory_tier.h (which includes this header)
-class LowerTier;
+struct ChunkEntry;    // memory_tier.h (which includes this header)
+class PayloadPool;    // memory_tier.h
 
-/// One match() call's chain as the store walks it, for the tiers: chunk c's key, the entry it
-/// must be, and the buffer its payload goes to. Keys are hashed on demand (a miss stops the walk
-/// early); a tier may look at chunks after c to read them in the same round trip.
-class ChainLookup {
- public:
-  virtual std::string_view ns() const = 0;
-  virtual const Fingerprint& fingerprint() const = 0;
-  virtual size_t chunks() const = 0;
-  virtual const Hash128& key(size_t c) = 0;
-  /// What chunk c's stored entry must agree with (verify_entry).
-  virtual ExpectedEntry expected(size_t c) = 0;
-  /// Whether memory or a tier the store walks before `tier` holds chunk c (a tier reading ahead
-  /// stops there).
-  virtual bool held_above(size_t c, const LowerTier& tier) = 0;
-  /// Chunk c's payload buffer (expected(c).geometry.payload_bytes, the same one until
-  /// discard(c)), which becomes its memory entry when a tier's load() of c is a hit; null when
-  /// memory has no room.
-  virtual char* payload(size_t c) = 0;
-  /// Frees chunk c's buffer (what was read into it is not the entry).
-  virtual void discard(size_t c) = 0;
+/// One lookup the store makes of a tier: a run of chunks [first, first + run.size()) of one
+/// match() call's chain, each described by the entry it must be (run[i].key is its key). The
+/// store cuts the run: it starts at a chunk memory and every tier walked before this one
+/// missed, and stops before the first chunk that memory or such a tier holds, that the tier's
+/// may_hold() rules out, or at the tier's read_ahead_chunks(). Empty: may_hold() ruled out
+/// chunk `first` itself. The batch, its payload buffers (PayloadPool) and the answers are the
+/// store's; a tier keeps nothing of them after lookup() returns. The store uses each answer
+/// when its walk reaches the chunk (a read-ahead's later chunks after the earlier ones' hits).
+struct LookupBatch {
+  std::string_view ns;
+  Fingerprint fp{};
+  size_t first = 0;
+  std::vector<ExpectedEntry> run;
+};
 
- protected:
-  ~ChainLookup() = default;
+/// A tier's answer for one chunk of a run; meta is set on kHit.
+struct LookupAnswer {
+  LoadResult result = LoadResult::kMiss;
+  LoadedMeta meta;
 };
 
 /// The encoded header + tokens and the checksum of a chunk, made once for every tier it goes to.
@@ -94,9 +90,11 @@ struct PackedEntry {
   Hash128 checksum;
 };
 
-/// A tier below memory (disk, Redis). KVStore keeps them in the order it walks them: a lookup
-/// asks each in turn until one has the chunk; a put offers each chunk to every tier that wants
-/// it. docs/architecture.md says what a new tier needs besides this class.
+/// A tier below memory (disk, Redis). KVStore keeps them in the order it walks them
+/// (tier_table.h, which also names them): a lookup asks each in turn until one has the chunk;
+/// a put offers each chunk to every tier that wants it. Calls run one way: the store asks, a
+/// tier answers from what the call hands it and never calls back into the store.
+/// docs/architecture.md says what a new tier needs besides this class.
 class LowerTier {
  public:
   virtual ~LowerTier() = default;
@@ -106,27 +104,31 @@ class LowerTier {
   size_t slot() const noexcept { return slot_; }
   void set_slot(size_t slot) noexcept { slot_ = slot; }
 
-  /// The tier's name (its Prometheus `tier` label) and its bit in erase()'s and clear()'s masks.
-  virtual const char* name() const = 0;
-  virtual StoreTier mask_bit() const = 0;
-  virtual TierCounters& counters() = 0;
-  /// Writes its section of the stats (counters, gauges, whether it is enabled).
-  virtual void fill(StoreStats* s) const = 0;
+  /// Writes its section of the stats, `own` (counters and gauges; the store sets `enabled`),
+  /// and any stats of its own beyond TierStats in *all (Redis: RemoteStats).
+  virtual void fill(TierStats* own, StoreStats* all) const = 0;
 
   /// Whether the tier holds fp's entry of key, as far as it can tell without a round trip
   /// (a remote tier answers false).
   virtual bool contains(const Hash128& key, const Fingerprint& fp) = 0;
 
-  /// This lookup's state of the tier (read-ahead, connections), kept by the store from chunk to
-  /// chunk of one match() call.
-  struct LookupState {
-    virtual ~LookupState() = default;
-  };
-  /// Reads chunk c into chain.payload(c) and verifies it; on kHit also sets *meta. Counts its
-  /// misses, corrupt and expired entries (never the hit: the store counts that once the entry is
-  /// in memory). `state` starts empty at a call's first lookup here. Never throws.
-  virtual LoadResult load(ChainLookup& chain, size_t c, std::unique_ptr<LookupState>& state,
-                          LoadedMeta* meta) = 0;
+  /// The longest run one lookup() reads (for chunks of geometry g): 1 reads chunk by chunk;
+  /// more reads ahead in one round trip.
+  virtual size_t read_ahead_chunks(const ChunkGeometry& g) const = 0;
+  /// False when the tier is sure it does not hold key, without I/O and without counting (a
+  /// filter); the store stops a run before such a chunk.
+  virtual bool may_hold(const Hash128& key) const = 0;
+  /// Answers the run's chunks in order into *answers (empty when called): one per chunk it
+  /// tried, at least the first unless the run is empty; it may stop early (after a non-hit).
+  /// Chunk i's payload goes to payloads.get(i) (null: memory has no room, answer kNoRoom); a
+  /// buffer it did not fill with a hit it may hand back with payloads.discard(i). Counts what
+  /// it found (misses, corrupt and expired entries, bytes read; an empty run as one miss), but
+  /// not the hits: served() does once the store has the entry. Never throws.
+  virtual void lookup(const LookupBatch& batch, PayloadPool& payloads,
+                      std::vector<LookupAnswer>* answers) = 0;
+  /// The store served one of the tier's kHit answers from memory (promoted, or already there
+  /// by then): the tier's hit_chunks.
+  void served() { TierCounters::add(counters_.hit_chunks); }
 
   /// The write policy: whether a put should write fp's chunk `key` here. `pinned` is the chunk's
   /// memory entry, null when memory had no room.
@@ -154,6 +156,9 @@ class LowerTier {
                                   InvalidateResult* r) = 0;
   /// Removes every entry; returns how many it removed.
   virtual int64_t clear() = 0;
+
+ protected:
+  TierCounters counters_;  // the tier's own: it counts all but hit_chunks (served())
 
  private:
   size_t slot_ = 0;

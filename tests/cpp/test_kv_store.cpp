@@ -390,5 +390,30 @@ TEST(KVStore, InvalidateAdapterCountsTheMemoryEntriesItErases) {
   EXPECT_EQ(store.stats().memory.entries, 0);
 }
 
+// The one table of tiers: every tier once, memory first, the bits covering kAllTiers, and each
+// its own stats section and metrics_text() samples.
+TEST(KVStore, TableOfTiersNamesEachTierOnce) {
+  const std::vector<StoreTierInfo>& tiers = store_tiers();
+  ASSERT_EQ(tiers.size(), 3u);
+  EXPECT_STREQ(tiers[0].name, "memory");
+  EXPECT_EQ(tiers[0].bit, kMemoryTier);
+  unsigned bits = 0;
+  StoreStats st;
+  for (const StoreTierInfo& t : tiers) {
+    EXPECT_EQ(bits & t.bit, 0u) << t.name;
+    bits |= t.bit;
+    (st.*t.stats).entries = 7;  // marks its own section only
+  }
+  EXPECT_EQ(bits, kAllTiers);
+  EXPECT_EQ(st.memory.entries + st.disk.entries + st.redis.entries, 21);
+  KVStore store(options(1 << 20));
+  const std::string text = store.metrics_text();
+  for (const StoreTierInfo& t : tiers)
+    EXPECT_NE(text.find(std::string("kvbridge_store_tier_enabled{tier=\"") + t.name + "\"} " +
+                        (t.bit == kMemoryTier ? "1" : "0")),
+              std::string::npos)
+        << t.name;
+}
+
 }  // namespace
 }  // namespace kvbridge
