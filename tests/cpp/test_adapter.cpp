@@ -600,26 +600,32 @@ void fill_normal(HFKV& kv, const ModelSpec& spec, int64_t tokens, uint32_t seed)
     }
 }
 
-// An adapter on odd shapes (explicit, non-consecutive source layer sets) fitted on normal data.
-// The target's 42 outputs per plane cross the bfloat16 kernels' 16- and 32-column blocks.
+// An adapter on odd shapes (explicit, non-consecutive source layer sets) fitted on normal data;
+// gains: the target's key norm (FitOptions::target_key_norm), or none.
+LinearAdapter fit_odd(const ModelSpec& source, const ModelSpec& target, bool rope_aware,
+                      const std::vector<std::vector<float>>& gains) {
+  FitOptions o;
+  o.selection = FitOptions::Selection::kExplicit;
+  o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
+  o.rope_aware = rope_aware;
+  o.target_key_norm = gains;
+  AdapterFitter fitter(source, target, o);
+  HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
+  fill_normal(fs, source, 211, 5);
+  fill_normal(ft, target, 211, 6);
+  fitter.add(fs.view(), ft.view(), 0);
+  return fitter.fit();
+}
+
+// fit_odd's adapter for a dtype. The target's 42 outputs per plane cross the bfloat16 kernels'
+// 16- and 32-column blocks.
 struct OddPair {
   ModelSpec source, target;
   LinearAdapter adapter;
   explicit OddPair(DType dtype)
       : source(make_spec("src", 3, 3, 10, 10000.0, RopeStyle::kHalf, dtype)),
         target(make_spec("tgt", 4, 3, 14, 30000.0, RopeStyle::kInterleaved, dtype)),
-        adapter(fit(source, target)) {}
-  static LinearAdapter fit(const ModelSpec& source, const ModelSpec& target) {
-    FitOptions o;
-    o.selection = FitOptions::Selection::kExplicit;
-    o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
-    AdapterFitter fitter(source, target, o);
-    HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
-    fill_normal(fs, source, 211, 5);
-    fill_normal(ft, target, 211, 6);
-    fitter.add(fs.view(), ft.view(), 0);
-    return fitter.fit();
-  }
+        adapter(fit_odd(source, target, true, {})) {}
 };
 
 // Every plane of `fast` within the float32 path's tolerance for `dtype` of the reference's
@@ -1011,20 +1017,6 @@ std::vector<std::vector<float>> random_gains(const ModelSpec& target, uint32_t s
   return gains;
 }
 
-LinearAdapter fit_odd(const ModelSpec& source, const ModelSpec& target, bool rope_aware,
-                      const std::vector<std::vector<float>>& gains) {
-  FitOptions o;
-  o.selection = FitOptions::Selection::kExplicit;
-  o.source_layers = {{0}, {0, 2}, {1, 2}, {0, 1, 2}};
-  o.rope_aware = rope_aware;
-  o.target_key_norm = gains;
-  AdapterFitter fitter(source, target, o);
-  HFKV fs(source, 211, 1, 5), ft(target, 211, 3, 6);
-  fill_normal(fs, source, 211, 5);
-  fill_normal(ft, target, 211, 6);
-  fitter.add(fs.view(), ft.view(), 0);
-  return fitter.fit();
-}
 
 // Against the same maps without the norm, in float64 (reference) and without RoPE so the
 // relation is per element: values are unchanged; each key head is the plain map's, its zero-gain

@@ -296,6 +296,12 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="eval-out", help="directory for results.json and eval.png")
 
 
+def add_real_pair_arguments(p: argparse.ArgumentParser) -> None:
+    """--source and --target of the real-pair experiments (selective, real_refine, headroom)."""
+    p.add_argument("--source", required=True, help="short name, model folder or GGUF file")
+    p.add_argument("--target", required=True, help="short name, model folder or GGUF file")
+
+
 def add_run_arguments(p: argparse.ArgumentParser, threads: int = 1) -> None:
     """--seed, --threads (default `threads`) and --quiet."""
     p.add_argument("--seed", type=int_at_least(0), default=0)

@@ -130,8 +130,7 @@ def format_table(results: Dict[str, Any]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m kvbridge.experiments.headroom",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--source", required=True)
-    p.add_argument("--target", required=True)
+    common.add_real_pair_arguments(p)
     p.add_argument("--adapter", required=True, help="adapter file (fitted on training files)")
     p.add_argument("--tails", type=common.int_at_least(0), nargs="+", default=[0, 32, 64])
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))

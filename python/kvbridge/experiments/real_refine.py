@@ -78,8 +78,7 @@ def kl(own: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m kvbridge.experiments.real_refine",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--source", required=True)
-    p.add_argument("--target", required=True)
+    common.add_real_pair_arguments(p)
     p.add_argument("--adapter", required=True, help="the closed-form fit")
     p.add_argument("--out", required=True, help="path of the refined adapter file")
     p.add_argument("--skip-windows", type=int, default=128, help="training windows the fit used")

@@ -173,8 +173,7 @@ def format_table(results: Dict[str, Dict[int, Dict[str, Any]]]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m kvbridge.experiments.selective",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--source", required=True)
-    p.add_argument("--target", required=True)
+    common.add_real_pair_arguments(p)
     p.add_argument("--adapter", required=True, nargs="+", metavar="[NAME=]FILE",
                    help="adapter files (fitted on training files), scored on the same windows")
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
