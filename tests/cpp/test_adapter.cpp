@@ -647,6 +647,17 @@ void expect_near_reference(const KVView& fast, const KVView& ref, DType dtype) {
     }
 }
 
+// Converts src (tokens at start..) into *fast (strided) with the fast path, and checks it against
+// the float64 reference.
+void convert_near_reference(const LinearAdapter& adapter, const HFKV& src, int64_t start,
+                            HFKV& fast, DType dtype) {
+  const KVView out = fast.view();
+  HFKV ref(adapter.target(), out.tokens(), 0, 2);
+  adapter.convert(src.view(), start, out);
+  adapter.convert_reference(src.view(), start, ref.view());
+  expect_near_reference(out, ref.view(), dtype);
+}
+
 // (dtype, tokens): 37 tokens convert in one block; 601 in several, in parallel when there are
 // several OpenMP threads (the float32 path blocks tokens to bound its memory, the float64
 // reference does not; for these shapes 2 or more blocks in float32, 3 or more in bfloat16 and
@@ -662,10 +673,8 @@ TEST_P(ConvertVsReference, StridedOddSizes) {
   const int64_t T = std::get<1>(GetParam()), start = 1001;
   HFKV src(source, T, 3, 7);
   fill_normal(src, source, T, 8);
-  HFKV fast(target, T, 2, 1), ref(target, T, 0, 2);
-  adapter.convert(src.view(), start, fast.view());
-  adapter.convert_reference(src.view(), start, ref.view());
-  expect_near_reference(fast.view(), ref.view(), dtype);
+  HFKV fast(target, T, 2, 1);
+  convert_near_reference(adapter, src, start, fast, dtype);
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypes, ConvertVsReference,
@@ -1079,10 +1088,8 @@ TEST_P(KeyNormVsReference, StridedOddSizesAndFile) {
   const int64_t T = 601, start = 1001;
   HFKV src(source, T, 3, 7);
   fill_normal(src, source, T, 8);
-  HFKV fast(target, T, 2, 1), ref(target, T, 0, 2);
-  adapter.convert(src.view(), start, fast.view());
-  adapter.convert_reference(src.view(), start, ref.view());
-  expect_near_reference(fast.view(), ref.view(), dtype);
+  HFKV fast(target, T, 2, 1);
+  convert_near_reference(adapter, src, start, fast, dtype);
 
   testing::TempDir dir;
   const std::string path = dir.path + "/a.safetensors";
