@@ -276,10 +276,10 @@ class LinearAdapter {
   /// options.allow_unchecked, unknown format or version, an alignment_policy that is not a
   /// policy name or that a version other than "3" carries (or a version "3" file without one), specs or layer map that do not parse,
   /// a fit report out of range (R² not finite or > 1, ridge not finite or < 0, negative token
-  /// counts), missing, extra or mis-shaped tensors (key_norm
-  /// tensors for some target layers only among them), non-float32 dtypes, non-finite weights or gains, a
-  /// "serving" record that does not parse or is out of set_serving's ranges. A file without
-  /// "serving" loads with nothing recorded.
+  /// counts), missing, extra or mis-shaped tensors (key_norm tensors for some target layers
+  /// only among them), non-float32 dtypes, non-finite weights or gains, a "serving" record that
+  /// does not parse or is out of set_serving's ranges. A file without "serving" loads with
+  /// nothing recorded.
   static LinearAdapter load(const std::string& path, const AdapterLoadOptions& options = {});
 
   /// Raw parameters of target layer j: weights [features, kv_heads * head_dim] row-major and bias
