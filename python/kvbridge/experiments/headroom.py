@@ -86,19 +86,19 @@ def score(pair: real_eval.Pair, adapter: kvbridge.LinearAdapter, texts: Sequence
         ids, p = w.ids, w.p
         own = hf.prefix_kv(tgt_m.model, ids[:p - 1])
         conv = real_eval.converted(adapter, w, hf.prefix_kv(src_m.model, w.src.ids), start)
+        keeps = {r: max(1, p - 1 - r) for r in tails}  # the start token is always cached
         for v in variants:
             cached = blend(conv, own, v)
             if cached is not None:
                 deviation[v] += float(selective.deviation(cached, own, range(len(own)))[1:].mean())
-            for r in tails:
-                keep = max(1, p - 1 - r)  # the start token always comes from the cache
+            for r, keep in keeps.items():
                 part = start if cached is None else tuple(
                     (k[:, :, :keep], vv[:, :, :keep]) for k, vv in cached)
                 logits, _ = hf.forward(tgt_m.model, ids[keep:-1], part)
                 sums[(v, r)].add(w.logits_own, logits[-len(w.targets):], w.logits_none,
                                  w.targets)
-        for r in tails:
-            computed[r] += p - max(1, p - 1 - r)
+        for r, keep in keeps.items():
+            computed[r] += p - keep
         agree_none += int((w.logits_own.argmax(-1) == w.logits_none.argmax(-1)).sum())
         continuation += int(w.targets.numel())
         windows += 1

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 import kvbridge
-from kvbridge import models
+from kvbridge import hf, models
 from kvbridge.experiments import corpus, real_eval
 from kvbridge.experiments.common import Sums, finite_or_null, int_at_least, set_threads
 from kvbridge.hf import forward, prefix_kv
@@ -57,8 +57,7 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
                ("window_bytes", "train_windows", "heldout_share", "policy", "source_layers",
                 "seed")}
     # An adapter fitted before the fit took the target's key norm is not this setting's.
-    setting["target_key_norm"] = real_eval.fitter_options(pair, config)["target_key_norm"] \
-        is not None
+    setting["target_key_norm"] = hf.key_norm(pair.target.model) is not None
     setting = json.dumps(setting, sort_keys=True)
     digest = hashlib.sha256(setting.encode()).hexdigest()[:12]
     path = folder / (f"{pair.source.spec.fingerprint[:12]}_to_{pair.target.spec.fingerprint[:12]}"
