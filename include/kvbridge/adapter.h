@@ -7,6 +7,11 @@
 // With rope_aware (the default) keys are mapped in position-free space: source keys are
 // un-rotated with the source RoPE, mapped, and rotated with the target RoPE at the same absolute
 // positions. Values carry no RoPE.
+//
+// An adapter may also take the target's own token ids as features (token codes, FitOptions::
+// target_token_codes): a fixed code per target vocabulary entry, of the token and the ones just
+// before it, feeds a second affine term of each map. Across tokenizers this restores what the
+// alignment loses, which target token a position holds (benchmarks/recorded/245-token-codes.md).
 #pragma once
 
 #include <cstdint>
@@ -19,8 +24,30 @@
 #include "kvbridge/align.h"
 #include "kvbridge/kv_view.h"
 #include "kvbridge/model_spec.h"
+#include "kvbridge/prefix_hash.h"
 
 namespace kvbridge {
+
+/// A fixed code per entry of the target's vocabulary, which an adapter takes as features of the
+/// target tokens besides the source's KV (FitOptions::target_token_codes). Any fixed map of ids
+/// to vectors works; kvbridge.hf.token_codes derives one from the target's input embeddings.
+struct TokenCodes {
+  int64_t vocab = 0;          ///< ids 0 .. vocab - 1 have a code
+  int64_t dims = 0;           ///< code width
+  std::vector<float> values;  ///< [vocab, dims] row-major, finite
+  bool empty() const noexcept { return vocab == 0; }
+};
+
+/// The target's ids of the tokens a convert writes (or a fitter sample holds), for adapters with
+/// token codes (LinearAdapter::has_token_codes). Non-owning.
+struct TargetTokens {
+  TokenSpan ids;  ///< one id per target token of the call, in order (not owned)
+  /// The ids of the tokens just before ids[0], nearest last (previous.back() is the token at
+  /// position first - 1); the adapter reads the last token_context - 1 of them. Fewer than
+  /// that only when the call starts near position 0: the tokens before position 0 have no code
+  /// (zeros), as in the fit.
+  std::vector<int64_t> previous;
+};
 
 struct FitOptions {
   enum class Selection : uint8_t {
@@ -66,6 +93,18 @@ struct FitOptions {
   /// The fit itself and its R² are those of the maps alone. Kept by the adapter
   /// (LinearAdapter::key_norm) and in its file.
   std::vector<std::vector<float>> target_key_norm;
+  /// Codes of the target's vocabulary (TokenCodes), or empty (the default: the maps take the
+  /// source's KV alone). Given, every add() needs the target's token ids (TargetTokens), and
+  /// each target map gets a second term: the codes of target token t and of the token_context -
+  /// 1 tokens before it (zeros before position 0), concatenated, times weights [token_context *
+  /// dims, kv_heads * head_dim], fitted after the source maps to their training residual (ridge,
+  /// the strength chosen on held-out tokens from ridge_grid relative to the codes' mean
+  /// variance; none when no strength lowers the held-out error). The report's R² include it.
+  /// The adapter keeps the codes (LinearAdapter::token_codes) and its convert needs the ids.
+  /// Memory: the fitter holds (token_context * dims + 1) * (U * Fl + 2 * Lt * O + token_context
+  /// * dims) float64 more, twice (train and held-out), U and Fl as in AdapterFitter.
+  TokenCodes target_token_codes;
+  int64_t token_context = 2;  ///< tokens whose codes feed each target token: it and the ones before, in [1, 8]
 };
 
 /// One step of kAuto's selection for one target layer: a candidate source layer fitted exactly
@@ -82,8 +121,13 @@ struct SelectionStep {
 /// Fit quality of one target layer, measured on held-out tokens.
 struct LayerFit {
   std::vector<int64_t> source_layers;
-  double r2_key = 0, r2_value = 0;        ///< held-out R² of un-rotated keys / values
+  /// Held-out R² of un-rotated keys / values (with the token codes' term where there is one).
+  double r2_key = 0, r2_value = 0;
   double ridge_key = 0, ridge_value = 0;  ///< chosen relative ridge strengths
+  /// The token codes' term (FitOptions::target_token_codes): its relative ridge strengths, NaN
+  /// where the adapter has no such term (no codes, or none of the strengths helped that map).
+  double token_ridge_key = std::numeric_limits<double>::quiet_NaN();
+  double token_ridge_value = std::numeric_limits<double>::quiet_NaN();
   /// kAuto: every exactly fitted step in order, a round at a time (the accepted one of a round
   /// last among that round's), so that the R² after each added layer and the gains that stopped
   /// the selection can be read off. Empty for kAll and kExplicit (and in files without it).
@@ -239,6 +283,22 @@ class LinearAdapter {
                const std::vector<int64_t>& alignment, int64_t target_start_pos,
                void* cuda_stream = nullptr) const;
 
+  /// The overloads above for an adapter with token codes (has_token_codes), which also takes
+  /// the target's ids: tokens.ids holds dst.tokens() ids, each below token_codes().vocab, for
+  /// the target tokens at target_start_pos, target_start_pos + 1, ... (start_pos without an
+  /// alignment), and tokens.previous at least the min(token_context() - 1, target_start_pos)
+  /// ids before them. Adapters without token codes ignore `tokens`, so a caller may always pass
+  /// them. The codes' term is added to each map's output before the key norm and RoPE. CPU
+  /// views only so far: CUDA views throw Unavailable for an adapter with token codes, as the
+  /// overloads without `tokens` do, and those throw InvalidArgument for a CPU convert with token
+  /// codes (the ids are needed). Throws InvalidArgument as above, and for ids that are missing
+  /// or out of range.
+  void convert(const KVView& src, int64_t start_pos, const KVView& dst,
+               const TargetTokens& tokens, void* cuda_stream = nullptr) const;
+  void convert(const KVView& src, int64_t start_pos, const KVView& dst,
+               const std::vector<int64_t>& alignment, int64_t target_start_pos,
+               const TargetTokens& tokens, void* cuda_stream = nullptr) const;
+
   /// float64 reference of convert (for tests and validation): same contract for CPU views,
   /// computed in double and rounded once at the end, all tokens in one block (its working
   /// memory is float64: one source layer's features and one target layer's planes for the whole
@@ -247,6 +307,12 @@ class LinearAdapter {
   /// float64 reference of the aligned convert.
   void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst,
                          const std::vector<int64_t>& alignment, int64_t target_start_pos) const;
+  /// float64 references of the overloads that take the target's ids.
+  void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst,
+                         const TargetTokens& tokens) const;
+  void convert_reference(const KVView& src, int64_t start_pos, const KVView& dst,
+                         const std::vector<int64_t>& alignment, int64_t target_start_pos,
+                         const TargetTokens& tokens) const;
 
   /// 32 lowercase hex digits identifying this adapter's content: the checksum save() writes
   /// (XXH3-128 over its metadata, which holds both ModelSpecs in their roles, the layer map and
@@ -290,6 +356,15 @@ class LinearAdapter {
   /// [target.head_dim] for target layer j (an empty vector when it has none).
   bool has_key_norm() const noexcept;
   const std::vector<float>& key_norm(int64_t layer) const;
+  /// Whether the maps take the target's token codes (FitOptions::target_token_codes); the codes
+  /// (empty when none), the context (tokens per target token whose codes feed it; 0 when none)
+  /// and target layer j's weights of the codes' term for K (kind 0) or V (kind 1),
+  /// [token_context * dims, kv_heads * head_dim] row-major (an empty vector for a map without
+  /// the term).
+  bool has_token_codes() const noexcept;
+  const TokenCodes& token_codes() const noexcept;
+  int64_t token_context() const noexcept;
+  const std::vector<float>& token_weights(int64_t layer, int kind) const;
 
   struct Impl;
 
@@ -298,7 +373,7 @@ class LinearAdapter {
   explicit LinearAdapter(std::unique_ptr<Impl> impl);
   void convert_dispatch(const KVView& src, int64_t start_pos, const KVView& dst,
                         const std::vector<int64_t>* alignment, int64_t target_start_pos,
-                        void* cuda_stream) const;
+                        const TargetTokens* tokens, void* cuda_stream) const;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -417,6 +492,14 @@ class AdapterFitter {
   /// alignment of the wrong length or with an entry out of range (nothing is accumulated then).
   void add(const KVView& src, const KVView& tgt, int64_t start_pos,
            const std::vector<int64_t>& alignment);
+  /// The two overloads above with the target's token ids (TargetTokens: tokens.ids one per
+  /// target token of tgt, each below options.target_token_codes.vocab, tokens.previous as for
+  /// LinearAdapter::convert), which a fitter with token codes needs (the others throw
+  /// InvalidArgument then) and one without ignores. Throws InvalidArgument also for ids that are
+  /// missing or out of range (nothing is accumulated then).
+  void add(const KVView& src, const KVView& tgt, int64_t start_pos, const TargetTokens& tokens);
+  void add(const KVView& src, const KVView& tgt, int64_t start_pos,
+           const std::vector<int64_t>& alignment, const TargetTokens& tokens);
 
   /// 1, or 2 when a probe pass runs first (see above).
   int passes() const noexcept;
@@ -446,7 +529,7 @@ class AdapterFitter {
 
  private:
   void add_impl(const KVView& src, const KVView& tgt, int64_t start_pos,
-                const std::vector<int64_t>* alignment);
+                const std::vector<int64_t>* alignment, const TargetTokens* tokens);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -150,6 +150,8 @@ std::string tensor_name(int64_t layer, int kind, const char* part) {
 std::string key_norm_name(int64_t layer) {
   return "layers." + std::to_string(layer) + ".key_norm";
 }
+constexpr char kTokenCodesName[] = "token_codes";
+constexpr char kTokenContextKey[] = "token_context";
 
 
 // A tensor as the checksum sees it: shape and raw little-endian bytes.
@@ -199,6 +201,9 @@ std::map<std::string, std::string> file_metadata(const LinearAdapter::Impl& a) {
     const LayerFit& lf = a.report.layers[static_cast<size_t>(j)];
     json entry = {{"r2_key", lf.r2_key}, {"r2_value", lf.r2_value},
                   {"ridge_key", lf.ridge_key}, {"ridge_value", lf.ridge_value}};
+    // The token codes' ridges where a map has that term (NaN, none, is left out).
+    if (std::isfinite(lf.token_ridge_key)) entry["token_ridge_key"] = lf.token_ridge_key;
+    if (std::isfinite(lf.token_ridge_value)) entry["token_ridge_value"] = lf.token_ridge_value;
     // kAuto's steps, only where there are any: files of other fits stay byte for byte as before.
     if (!lf.selection.empty()) {
       json steps = json::array();
@@ -225,6 +230,7 @@ std::map<std::string, std::string> file_metadata(const LinearAdapter::Impl& a) {
     meta["format_version"] = kAlignedVersion;
     meta[kAlignmentPolicyKey] = a.report.alignment_policy;
   }
+  if (!a.token_codes.empty()) meta[kTokenContextKey] = std::to_string(a.token_context);
   return meta;
 }
 
@@ -244,7 +250,17 @@ std::map<std::string, TensorBytes> file_tensors(const LinearAdapter::Impl& a) {
       const std::vector<float>& g = a.key_norm[static_cast<size_t>(j)];
       out[key_norm_name(j)] = {{a.target.head_dim}, g.data(), 4 * g.size()};
     }
+    for (int kind = 0; kind < 2 && !a.token_codes.empty(); ++kind) {
+      const std::vector<float>& w =
+          a.token_weights[static_cast<size_t>(j)][static_cast<size_t>(kind)];
+      if (!w.empty())
+        out[tensor_name(j, kind, "token_weight")] = {
+            {a.token_context * a.token_codes.dims, a.target_width()}, w.data(), 4 * w.size()};
+    }
   }
+  if (!a.token_codes.empty())
+    out[kTokenCodesName] = {{a.token_codes.vocab, a.token_codes.dims},
+                            a.token_codes.values.data(), 4 * a.token_codes.values.size()};
   return out;
 }
 
@@ -277,6 +293,14 @@ LayerFit report_layer(const json& j, size_t layer) {
   }
   for (auto [key, out] : {std::pair<const char*, double*>{"ridge_key", &lf.ridge_key},
                           {"ridge_value", &lf.ridge_value}}) {
+    *out = report_number(j, key, layer);
+    KVB_CHECK_AS(Corrupt, std::isfinite(*out) && *out >= 0,
+                 "adapter file: fit_report.layers[" << layer << "]." << key << " is " << *out
+                                                    << ", not a finite ridge >= 0");
+  }
+  for (auto [key, out] : {std::pair<const char*, double*>{"token_ridge_key", &lf.token_ridge_key},
+                          {"token_ridge_value", &lf.token_ridge_value}}) {
+    if (!j.contains(key)) continue;  // no token codes' term for that map
     *out = report_number(j, key, layer);
     KVB_CHECK_AS(Corrupt, std::isfinite(*out) && *out >= 0,
                  "adapter file: fit_report.layers[" << layer << "]." << key << " is " << *out
@@ -478,6 +502,48 @@ LinearAdapter LinearAdapter::load(const std::string& path, const AdapterLoadOpti
       KVB_CHECK_AS(Corrupt, std::isfinite(v), "adapter file: tensor " << name << " is not finite");
     a->key_norm.push_back(std::move(g));
     ++used;
+  }
+  // The target's token codes and, per map that has the term, its weights.
+  const auto codes = file.tensors.find(kTokenCodesName);
+  const auto context = meta.find(kTokenContextKey);
+  KVB_CHECK_AS(Corrupt, (codes != file.tensors.end()) == (context != meta.end()),
+               "adapter file: tensor " << kTokenCodesName << " and metadata '" << kTokenContextKey
+                                       << "' come together");
+  if (codes != file.tensors.end()) {
+    const io::StTensor& t = codes->second;
+    KVB_CHECK_AS(Corrupt, t.dtype == io::StDType::kF32 && t.shape.size() == 2 && t.shape[0] > 0 &&
+                              t.shape[1] > 0,
+                 "adapter file: tensor " << kTokenCodesName << " must be F32 of [vocab, dims]");
+    KVB_CHECK_AS(Corrupt, context->second.size() == 1 && context->second[0] >= '1' &&
+                              context->second[0] <= '8',
+                 "adapter file: " << kTokenContextKey << " is '" << context->second
+                                  << "', not a count in [1, 8]");
+    a->token_context = context->second[0] - '0';
+    a->token_codes.vocab = t.shape[0];
+    a->token_codes.dims = t.shape[1];
+    a->token_codes.values.resize(t.data.size() / 4);
+    std::memcpy(a->token_codes.values.data(), t.data.data(), t.data.size());
+    for (float v : a->token_codes.values)
+      KVB_CHECK_AS(Corrupt, std::isfinite(v),
+                   "adapter file: tensor " << kTokenCodesName << " is not finite");
+    ++used;
+    const std::vector<int64_t> want = {a->token_context * a->token_codes.dims, a->target_width()};
+    a->token_weights.resize(static_cast<size_t>(a->target.num_layers));
+    for (int64_t j = 0; j < a->target.num_layers; ++j)
+      for (int kind = 0; kind < 2; ++kind) {
+        const std::string name = tensor_name(j, kind, "token_weight");
+        const auto it = file.tensors.find(name);
+        if (it == file.tensors.end()) continue;  // that map has no codes' term
+        KVB_CHECK_AS(Corrupt, it->second.dtype == io::StDType::kF32 && it->second.shape == want,
+                     "adapter file: tensor " << name
+                                             << " must be F32 of [token_context * dims, width]");
+        std::vector<float>& w = a->token_weights[static_cast<size_t>(j)][static_cast<size_t>(kind)];
+        w.resize(it->second.data.size() / 4);
+        std::memcpy(w.data(), it->second.data.data(), it->second.data.size());
+        for (float v : w)
+          KVB_CHECK_AS(Corrupt, std::isfinite(v), "adapter file: tensor " << name << " is not finite");
+        ++used;
+      }
   }
   KVB_CHECK_AS(Corrupt, used == file.tensors.size(),
                "adapter file: " << file.tensors.size() - used << " tensors the layer map does not use");

@@ -37,6 +37,12 @@ struct LinearAdapter::Impl {
   std::vector<std::array<std::vector<float>, 2>> weights, bias;
   /// FitOptions::target_key_norm: per target layer the gains [target.head_dim], or empty.
   std::vector<std::vector<float>> key_norm;
+  /// FitOptions::target_token_codes (empty: none) and token_context (0 when none); per target
+  /// layer, for K (0) and V (1), the codes' weights [token_context * dims, outputs] row-major
+  /// (empty: that map has no codes' term).
+  TokenCodes token_codes;
+  int64_t token_context = 0;
+  std::vector<std::array<std::vector<float>, 2>> token_weights;
   /// Created by the first convert of CUDA views; cuda_mutex guards the pointer and the map of
   /// devices inside it.
   mutable std::mutex cuda_mutex;
@@ -80,6 +86,20 @@ void check_alignment(const std::vector<int64_t>& alignment, int64_t source_token
                      int64_t target_tokens, bool allow_missing);
 
 namespace detail {
+/// Checks codes shaped as FitOptions::target_token_codes (empty, or vocab, dims > 0 and
+/// vocab * dims finite values) and a context in [1, 8]; `what` names them.
+void check_token_codes(const TokenCodes& codes, int64_t context, const char* what);
+/// Checks the target ids of `tokens` target tokens at absolute positions first, first + 1, ...
+/// against codes of `vocab` entries and a context of `context` tokens (TargetTokens).
+void check_target_tokens(const TargetTokens& tokens, int64_t count, int64_t first, int64_t vocab,
+                         int64_t context);
+/// The codes' features of target tokens [t0, t0 + n) of `tokens` (the call's first token at
+/// absolute position `first`): row t holds the codes of token t0 + t and of the context - 1
+/// before it, nearest first, zeros before position 0; [n, context * dims] row-major into out.
+template <typename T>
+void token_features(const TokenCodes& codes, int64_t context, const TargetTokens& tokens,
+                    int64_t first, int64_t t0, int64_t n, T* out);
+
 /// The position and alignment checks of a convert (CPU and CUDA): start_pos for the source's
 /// tokens; with an alignment also target_start_pos for the target's and the alignment itself
 /// (every entry a source index, no kNoSource).

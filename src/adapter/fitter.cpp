@@ -359,6 +359,27 @@ struct ProbeMoments {
 };
 
 // Seeded Gaussian sketch [outputs, width] / sqrt(width), the same on every platform.
+// Raw sums over one token split for the token codes' term (FitOptions::target_token_codes): the
+// codes' features z [Dz] of the paired target tokens against themselves, against each plan
+// slot's features and against every target output. Its count is the split's BlockMoments::n.
+struct TokenMoments {
+  VecD sz;               // [Dz]
+  MatD zz;               // [Dz, Dz]
+  std::vector<MatD> zx;  // [slot] -> [Dz, Fl]
+  MatD zy;               // [Dz, Lt * 2 * O]
+
+  void init(int64_t Dz, size_t slots, int64_t Fl, int64_t outputs_all) {
+    sz = VecD::Zero(Dz);
+    zz = MatD::Zero(Dz, Dz);
+    zx.assign(slots, MatD::Zero(Dz, Fl));
+    zy = MatD::Zero(Dz, outputs_all);
+  }
+  static double bytes(int64_t Dz, size_t slots, int64_t Fl, int64_t outputs_all) {
+    return 8.0 * static_cast<double>(Dz) *
+           static_cast<double>(1 + Dz + static_cast<int64_t>(slots) * Fl + outputs_all);
+  }
+};
+
 MatD gaussian_sketch(int64_t outputs, int64_t width, uint64_t seed) {
   MatD r(outputs, width);
   uint64_t state = splitmix64(seed ^ 0x6b76627269646765ull);
@@ -401,9 +422,10 @@ struct AdapterFitter::Impl {
   // mutable: in a CUDA fitter the cross products accumulate on the device, and these host
   // matrices are a copy that fit() refreshes from it (the sums and counts are always here).
   mutable ProbeMoments probe_train, probe_held;
-  // Final pass: the plan's blocks.
+  // Final pass: the plan's blocks, and the token codes' sums when the fit has codes.
   Plan plan;
   mutable BlockMoments train, held;
+  TokenMoments token_train, token_held;
   // Where the samples live: set by the first add(); a fitter takes all of them from one device.
   std::optional<Device> sample_device;
   // This pass's device accumulators of a CUDA fitter, created by its first add() of the pass.
@@ -451,8 +473,25 @@ struct AdapterFitter::Impl {
     plan = std::move(p);
     train.init(plan, layer_features, outputs);
     held.init(plan, layer_features, outputs);
+    if (token_width() > 0) {
+      token_train.init(token_width(), plan.slots.size(), layer_features, maps() * outputs);
+      token_held.init(token_width(), plan.slots.size(), layer_features, maps() * outputs);
+    }
     tokens_seen = 0;
   }
+
+  // Dz: the width of one target token's codes' features (0 without codes).
+  int64_t token_width() const {
+    return options.target_token_codes.empty()
+               ? 0
+               : options.token_context * options.target_token_codes.dims;
+  }
+  double token_bytes(const Plan& p) const {
+    return token_width() > 0 ? 2 * TokenMoments::bytes(token_width(), p.slots.size(),
+                                                       layer_features, maps() * outputs)
+                             : 0;
+  }
+
 
   // The training and held-out sums of the features of source layers S (ascending, a subset of
   // one target layer's candidates), gathered from the plan's blocks.
@@ -537,6 +576,116 @@ struct AdapterFitter::Impl {
         c.weights[kind].data(), weights.rows(), weights.cols()) = weights.cast<float>();
     c.bias[kind].resize(static_cast<size_t>(bias.size()));
     Eigen::Map<Eigen::VectorXf>(c.bias[kind].data(), bias.size()) = bias.cast<float>();
+  }
+
+  // The token codes' terms of target layer j's K and V maps (chosen set S, weights and biases
+  // in c), refitted jointly with the maps at each map's chosen strength: the codes' weights at
+  // each strength of the grid (relative to the codes' mean variance), the one with the least
+  // held-out error kept if it lowers it, and the source weights corrected for it. By blocks
+  // (Frisch-Waugh): with A = C_xx + r_x D² the maps' ridge matrix (D: each slot's sd, as the
+  // maps were fitted) and U = A^-1 C_xz, the codes' weights solve
+  // (C_zz - C_zx U + r_z s I) W_z = C_zr, r the maps' training residual, and the source weights
+  // become W - U W_z; on held-out tokens the prediction moves by W_z^T (z - U^T x) + const.
+  // Sets token_weights[kind] ([Dz, O], empty: none), ridge[kind] (NaN: none) and r2_gain[kind].
+  void token_terms(int64_t j, const std::vector<double>& sd, Choice& c,
+                   std::array<std::vector<float>, 2>& token_weights, std::array<double, 2>& ridge,
+                   std::array<double, 2>& r2_gain) const {
+    const int64_t Dz = token_width(), Fl = layer_features, O = outputs;
+    const int64_t F = static_cast<int64_t>(c.layers.size()) * Fl;
+    const size_t jj = static_cast<size_t>(j);
+    const double n = static_cast<double>(train.n), nh = static_cast<double>(held.n);
+    SetSums g = gather(c.layers);
+    MatD xz(F, Dz), xzh(F, Dz), xy(F, 2 * O), xyh(F, 2 * O);
+    VecD d2(F);
+    const auto& C = plan.candidates[jj];
+    for (size_t a = 0; a < c.layers.size(); ++a) {
+      const size_t slot = static_cast<size_t>(plan.slot(c.layers[a]));
+      const size_t ca = static_cast<size_t>(std::find(C.begin(), C.end(), c.layers[a]) - C.begin());
+      const int64_t r = static_cast<int64_t>(a) * Fl;
+      xz.middleRows(r, Fl) = token_train.zx[slot].transpose();
+      xzh.middleRows(r, Fl) = token_held.zx[slot].transpose();
+      xy.middleRows(r, Fl) = train.xy[jj][ca];
+      xyh.middleRows(r, Fl) = held.xy[jj][ca];
+      d2.segment(r, Fl).setConstant(sd[slot] * sd[slot]);
+    }
+    const VecD mu_x = g.sx / n, mu_z = token_train.sz / n;
+    MatD cxx = g.xx / n;
+    cxx.noalias() -= mu_x * mu_x.transpose();
+    MatD cxz = xz / n;
+    cxz.noalias() -= mu_x * mu_z.transpose();
+    MatD czz = token_train.zz / n;
+    czz.noalias() -= mu_z * mu_z.transpose();
+    const double scale = czz.trace() / static_cast<double>(Dz);
+    for (int kind = 0; kind < 2; ++kind) {
+      const size_t k = static_cast<size_t>(kind);
+      token_weights[k].clear();
+      ridge[k] = std::numeric_limits<double>::quiet_NaN();
+      r2_gain[k] = 0;
+      if (!(scale > 0)) continue;
+      MatD a = cxx;
+      a.diagonal() += c.fits[k].ridge * d2;
+      const Eigen::LLT<MatD> llt(a);
+      if (llt.info() != Eigen::Success) continue;  // not positive definite in float64: no term
+      const MatD U = llt.solve(cxz);  // [F, Dz]
+      const MatD W = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic,
+                                                    Eigen::RowMajor>>(c.weights[k].data(), F, O)
+                         .cast<double>();
+      const VecD b = Eigen::Map<const Eigen::VectorXf>(c.bias[k].data(), O).cast<double>();
+      const int64_t col = j * 2 * O + kind * O;
+      // Training: C_zr, the codes against the maps' residual r = y - W^T x - b.
+      MatD czr = token_train.zy.middleCols(col, O) / n;
+      czr.noalias() -= mu_z * (train.sy[jj].segment(kind * O, O) / n).transpose();
+      MatD xzw = xz.transpose() * W / n;  // sum z x^T W / n, then centred below
+      czr.noalias() -= xzw;
+      czr.noalias() += mu_z * (W.transpose() * mu_x).transpose();
+      MatD s = czz;
+      s.noalias() -= cxz.transpose() * U;
+      // Held-out: sums of r0 (the maps' residual), zhat = z - U^T x, zhat zhat^T, zhat r0^T.
+      const VecD syh = held.sy[jj].segment(kind * O, O);
+      MatD xr = xyh.middleCols(kind * O, O);  // sum x r0^T
+      xr.noalias() -= g.xxh * W;
+      xr.noalias() -= g.sxh * b.transpose();
+      MatD zr = token_held.zy.middleCols(col, O);  // sum z r0^T
+      zr.noalias() -= xzh.transpose() * W;
+      zr.noalias() -= token_held.sz * b.transpose();
+      const VecD sr = syh - W.transpose() * g.sxh - nh * b;
+      MatD hr = zr;
+      hr.noalias() -= U.transpose() * xr;
+      MatD hh = token_held.zz;
+      const MatD uxz = U.transpose() * xzh;
+      hh -= uxz + uxz.transpose();
+      hh.noalias() += U.transpose() * (g.xxh * U);
+      const VecD sh = token_held.sz - U.transpose() * g.sxh;
+      const VecD mu_y = train.sy[jj].segment(kind * O, O) / n;
+      double best = 0;  // the held-out error's change: a term must lower it
+      MatD best_wz;
+      for (double r : options.ridge_grid) {
+        MatD m = s;
+        m.diagonal().array() += r * scale;
+        const Eigen::LLT<MatD> f(m);
+        if (f.info() != Eigen::Success) continue;
+        const MatD wz = f.solve(czr);  // [Dz, O]
+        const MatD wx = W - U * wz;
+        const VecD shift = mu_y - wx.transpose() * mu_x - wz.transpose() * mu_z - b;
+        const double change = (wz.cwiseProduct(hh * wz)).sum() + 2 * shift.dot(wz.transpose() * sh) +
+                              nh * shift.squaredNorm() -
+                              2 * ((wz.cwiseProduct(hr)).sum() + shift.dot(sr));
+        if (change < best) {
+          best = change;
+          best_wz = wz;
+          ridge[k] = r;
+        }
+      }
+      if (best_wz.size() == 0) continue;
+      const MatD wx = W - U * best_wz;
+      const VecD bias = mu_y - wx.transpose() * mu_x - best_wz.transpose() * mu_z;
+      const double sst = std::max(held.yy[jj][k] - syh.squaredNorm() / nh, 1e-300);
+      r2_gain[k] = -best / sst;
+      keep_float(c, k, wx, bias);
+      token_weights[k].resize(static_cast<size_t>(Dz * O));
+      Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+          token_weights[k].data(), Dz, O) = best_wz.cast<float>();
+    }
   }
 
   // kAll and kExplicit: each target layer's one set. Every distinct set is factorised once
@@ -1088,6 +1237,8 @@ AdapterFitter::AdapterFitter(const ModelSpec& source, const ModelSpec& target,
   target.validate();
   if (!options.alignment_policy.empty()) (void)parse_align_policy(options.alignment_policy);
   detail::check_key_norm(options.target_key_norm, target, "target_key_norm");
+  detail::check_token_codes(options.target_token_codes, options.token_context,
+                            "target_token_codes");
   KVB_CHECK(options.holdout > 0 && options.holdout <= 0.5,
             "holdout must be in (0, 0.5], got " << options.holdout);
   KVB_CHECK(!options.ridge_grid.empty(), "ridge_grid must not be empty");
@@ -1130,7 +1281,7 @@ AdapterFitter::AdapterFitter(const ModelSpec& source, const ModelSpec& target,
   }
   Plan plan = make_plan(std::move(candidates));
   const double budget = static_cast<double>(options.max_memory_bytes);
-  const double need = plan_bytes(plan, m.layer_features, m.outputs);
+  const double need = plan_bytes(plan, m.layer_features, m.outputs) + m.token_bytes(plan);
   if (need <= budget) {
     m.start_final_pass(std::move(plan));
     return;
@@ -1176,12 +1327,22 @@ std::vector<std::vector<int64_t>> AdapterFitter::candidate_layers() const {
 }
 
 void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos) {
-  add_impl(src, tgt, start_pos, nullptr);
+  add_impl(src, tgt, start_pos, nullptr, nullptr);
 }
 
 void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos,
                         const std::vector<int64_t>& alignment) {
-  add_impl(src, tgt, start_pos, &alignment);
+  add_impl(src, tgt, start_pos, &alignment, nullptr);
+}
+
+void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos,
+                        const TargetTokens& tokens) {
+  add_impl(src, tgt, start_pos, nullptr, &tokens);
+}
+
+void AdapterFitter::add(const KVView& src, const KVView& tgt, int64_t start_pos,
+                        const std::vector<int64_t>& alignment, const TargetTokens& tokens) {
+  add_impl(src, tgt, start_pos, &alignment, &tokens);
 }
 
 namespace {
@@ -1193,7 +1354,7 @@ std::string device_name(const Device& d) {
 }  // namespace
 
 void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start_pos,
-                             const std::vector<int64_t>* alignment) {
+                             const std::vector<int64_t>* alignment, const TargetTokens* tokens) {
   Impl& m = *impl_;
   src.check_matches(m.source, "source_kv");
   tgt.check_matches(m.target, "target_kv");
@@ -1212,6 +1373,13 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
                "AdapterFitter::add: a CUDA failure during an earlier add() left the accumulators "
                "incomplete; start a new fitter");
   detail::check_positions(start_pos, std::max(src.tokens(), tgt.tokens()));
+  const TokenCodes& codes = m.options.target_token_codes;
+  if (!codes.empty()) {
+    KVB_CHECK(tokens != nullptr, "AdapterFitter::add: this fitter takes the target's token codes "
+                                 "(target_token_codes); pass the target's token ids");
+    detail::check_target_tokens(*tokens, tgt.tokens(), start_pos, codes.vocab,
+                                m.options.token_context);
+  }
   // With an alignment the samples are the target tokens that have a source token: target row
   // j with the source row alignment[j] (un-rotated at its own source position).
   std::vector<int64_t> src_rows, tgt_rows;
@@ -1282,6 +1450,13 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
   });
   src_copy = detail::HostKVCopy();
   tgt_copy = detail::HostKVCopy();
+  // The codes' features of the paired target tokens, in the rows' order (final pass only).
+  const int64_t Dz = probing ? 0 : m.token_width();
+  MatD Zc(T, Dz);
+  for (int64_t t = 0; t < T && Dz > 0; ++t)
+    detail::token_features(codes, m.options.token_context, *tokens, start_pos,
+                           alignment ? tgt_rows[static_cast<size_t>(t)] : t, 1,
+                           Zc.data() + dest[static_cast<size_t>(t)] * Dz);
   if (probing) {
     const int64_t r = m.sketch_width;
     MatD Z(T, m.maps() * r);
@@ -1374,6 +1549,15 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
     }
     BlockMoments& acc = part ? m.held : m.train;
     acc.n += rows;
+    if (Dz > 0) {
+      TokenMoments& tm = part ? m.token_held : m.token_train;
+      const auto Zs = Zc.middleRows(first, rows);
+      tm.sz += Zs.colwise().sum().transpose();
+      tm.zz.noalias() += Zs.transpose() * Zs;
+      tm.zy.noalias() += Zs.transpose() * Ys;
+      for (size_t s = 0; s < layers.size(); ++s)
+        tm.zx[s].noalias() += Zs.transpose() * Xs.middleCols(static_cast<int64_t>(s) * Fl, Fl);
+    }
     for (size_t s = 0; s < layers.size(); ++s)
       acc.sx[s] += Xs.middleCols(static_cast<int64_t>(s) * Fl, Fl).colwise().sum().transpose();
     for (int64_t j = 0; j < Lt; ++j) {
@@ -1451,6 +1635,10 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
   out->report.rope_aware = m.options.rope_aware;
   out->report.alignment_policy = m.options.alignment_policy;
   out->key_norm = m.options.target_key_norm;
+  if (m.token_width() > 0) {
+    out->token_codes = m.options.target_token_codes;
+    out->token_context = m.options.token_context;
+  }
   m.sync_from_device();
   Progress tracker(&progress);
   std::vector<Impl::Choice> chosen;
@@ -1460,14 +1648,30 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
     tracker.rethrow();
     throw;
   }
-  for (Impl::Choice& c : chosen) {
+  // The token codes' terms of every map, refitted with the chosen maps (target layers in
+  // parallel).
+  std::vector<std::array<double, 2>> token_ridge(chosen.size()), token_gain(chosen.size());
+  if (m.token_width() > 0) {
+    out->token_weights.resize(chosen.size());
+    const std::vector<double> sd = m.slot_sd();
+    detail::parallel_for(static_cast<int64_t>(chosen.size()), [&](int64_t i) {
+      const size_t j = static_cast<size_t>(i);
+      m.token_terms(i, sd, chosen[j], out->token_weights[j], token_ridge[j], token_gain[j]);
+    });
+  }
+  for (size_t j = 0; j < chosen.size(); ++j) {
+    Impl::Choice& c = chosen[j];
     out->layers.push_back(c.layers);
     LayerFit lf;
     lf.source_layers = c.layers;
-    lf.r2_key = c.fits[0].r2;
-    lf.r2_value = c.fits[1].r2;
+    lf.r2_key = c.fits[0].r2 + token_gain[j][0];
+    lf.r2_value = c.fits[1].r2 + token_gain[j][1];
     lf.ridge_key = c.fits[0].ridge;
     lf.ridge_value = c.fits[1].ridge;
+    if (m.token_width() > 0) {
+      lf.token_ridge_key = token_ridge[j][0];
+      lf.token_ridge_value = token_ridge[j][1];
+    }
     lf.selection = std::move(c.steps);
     out->report.layers.push_back(lf);
     out->weights.push_back(std::move(c.weights));

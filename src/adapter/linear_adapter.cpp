@@ -28,6 +28,7 @@ template <typename T>
 struct Workspace {
   RowMat<T> x;
   std::array<RowMat<T>, 2> y;
+  RowMat<T> z;  // the token codes' features of the block (has_token_codes)
   std::vector<float> buf;  // double: gathered and stored through float32
   detail::Bf16TiledA x_bf16;  // x rounded for the bfloat16 GEMMs
   std::vector<detail::RopeTable<T>> source_angles, target_angles;
@@ -54,11 +55,11 @@ constexpr int64_t kMinBlockTokens = 128;
 
 int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dtype,
                      int64_t threads, bool bf16) {
-  // float32 features, planes and RoPE tables (one per distinct frequency set); with bfloat16
-  // GEMMs the features once more in bfloat16.
+  // float32 features (and the token codes' features), planes and RoPE tables (one per distinct
+  // frequency set); with bfloat16 GEMMs the features once more in bfloat16.
   const int64_t per_token_work =
       static_cast<int64_t>(sizeof(float)) *
-          (2 * a.source_width() + 2 * a.target_width() +
+          (2 * a.source_width() + 2 * a.target_width() + a.token_context * a.token_codes.dims +
            a.source_inv_freq.num_sets() * a.source.head_dim +
            a.target_inv_freq.num_sets() * a.target.head_dim) +
       (bf16 ? static_cast<int64_t>(sizeof(uint16_t)) * 2 * a.source_width() : 0);
@@ -82,7 +83,7 @@ int64_t block_tokens(const LinearAdapter::Impl& a, int64_t tokens, DType dst_dty
 template <typename T>
 void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
                    const KVView& dst, const int64_t* alignment, int64_t target_start_pos,
-                   int64_t b0, int64_t n, Workspace<T>& w,
+                   const TargetTokens* tokens, int64_t b0, int64_t n, Workspace<T>& w,
                    const detail::Bf16Weights* bf16) {
   constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t sw = a.source_width(), tw = a.target_width();
@@ -105,6 +106,12 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
                          w.source_angles[i], rows);
     for (size_t i = 0; i < w.target_angles.size(); ++i)
       detail::rope_table(a.target_inv_freq.sets[i], target_start_pos + b0, n, w.target_angles[i]);
+  }
+  const int64_t zw = a.token_context * a.token_codes.dims;
+  if (zw > 0) {
+    w.z.resize(n, zw);
+    detail::token_features(a.token_codes, a.token_context, *tokens, target_start_pos, b0, n,
+                           w.z.data());
   }
   for (int64_t j = 0; j < a.target.num_layers; ++j) {
     const auto& layers = a.layers[static_cast<size_t>(j)];
@@ -147,6 +154,16 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
         }
       }
     }
+    for (int kind = 0; kind < 2 && zw > 0; ++kind) {
+      const auto& wz = a.token_weights[static_cast<size_t>(j)][static_cast<size_t>(kind)];
+      if (wz.empty()) continue;
+      RowMat<T>& y = w.y[static_cast<size_t>(kind)];
+      if constexpr (kFloat)
+        detail::gemm_f32(n, tw, zw, w.z.data(), zw, wz.data(), tw, y.data(), tw,
+                         /*accumulate=*/true);
+      else
+        y.topRows(n).noalias() += w.z * Eigen::Map<const RowMat<float>>(wz.data(), zw, tw).cast<T>();
+    }
     if (!a.key_norm.empty())
       detail::project_key_norm(a.key_norm[static_cast<size_t>(j)], a.target.num_kv_heads, n,
                                w.y[0].data(), tw);
@@ -171,9 +188,16 @@ void convert_block(const LinearAdapter::Impl& a, const KVView& src, int64_t star
 template <typename T>
 void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start_pos,
                   const KVView& dst, const std::vector<int64_t>* alignment,
-                  int64_t target_start_pos) {
+                  int64_t target_start_pos, const TargetTokens* tokens) {
   check_pair(a.source, a.target, src, dst, "source_kv", "target_kv", alignment == nullptr);
   detail::check_convert_positions(src, start_pos, dst, alignment, target_start_pos);
+  if (!a.token_codes.empty()) {
+    KVB_CHECK(tokens != nullptr,
+              "convert: this adapter takes the target's token ids (has_token_codes); pass them "
+              "(TargetTokens)");
+    detail::check_target_tokens(*tokens, dst.tokens(), target_start_pos, a.token_codes.vocab,
+                                a.token_context);
+  }
   const int64_t T_ = dst.tokens();
   if (T_ == 0) return;
   constexpr bool kFloat = std::is_same_v<T, float>;
@@ -188,7 +212,8 @@ void convert_impl(const LinearAdapter::Impl& a, const KVView& src, int64_t start
     const int64_t b0 = i * B;
     const size_t slot = blocks > 1 ? static_cast<size_t>(omp_get_thread_num()) : 0;
     convert_block(a, src, start_pos, dst, alignment ? alignment->data() : nullptr, target_start_pos,
-                  b0, std::min(B, T_ - b0), work[slot], bf16);
+                  a.token_codes.empty() ? nullptr : tokens, b0, std::min(B, T_ - b0), work[slot],
+                  bf16);
   });
 }
 }  // namespace
@@ -255,6 +280,71 @@ template void project_key_norm<float>(const std::vector<float>&, int64_t, int64_
 template void project_key_norm<double>(const std::vector<float>&, int64_t, int64_t, double*,
                                        int64_t);
 
+void check_token_codes(const TokenCodes& codes, int64_t context, const char* what) {
+  if (codes.empty()) return;
+  KVB_CHECK(codes.vocab > 0 && codes.dims > 0,
+            what << ": expected vocab and dims > 0, got " << codes.vocab << " and " << codes.dims);
+  KVB_CHECK(static_cast<int64_t>(codes.values.size()) == codes.vocab * codes.dims,
+            what << ": expected vocab * dims = " << codes.vocab * codes.dims << " values, got "
+                 << codes.values.size());
+  for (size_t i = 0; i < codes.values.size(); ++i)
+    KVB_CHECK(std::isfinite(codes.values[i]),
+              what << ": codes must be finite, got " << codes.values[i] << " for id "
+                   << static_cast<int64_t>(i) / codes.dims);
+  KVB_CHECK(context >= 1 && context <= 8, "token_context must lie in [1, 8], got " << context);
+}
+
+namespace {
+int64_t token_at(const TokenSpan& ids, size_t i) {
+  return ids.data ? ids.data[i] : static_cast<int64_t>(ids.data32[i]);
+}
+}  // namespace
+
+void check_target_tokens(const TargetTokens& tokens, int64_t count, int64_t first, int64_t vocab,
+                         int64_t context) {
+  KVB_CHECK(static_cast<int64_t>(tokens.ids.size) == count,
+            "target token ids: expected one per target token (" << count << "), got "
+                                                                 << tokens.ids.size);
+  const auto check = [&](int64_t id, const char* where, size_t i) {
+    KVB_CHECK(id >= 0 && id < vocab, "target token ids: " << where << "[" << i << "] = " << id
+                                                          << " is outside the adapter's codes [0, "
+                                                          << vocab << ")");
+  };
+  for (size_t i = 0; i < tokens.ids.size; ++i) check(token_at(tokens.ids, i), "ids", i);
+  const int64_t need = std::min(context - 1, first);
+  KVB_CHECK(static_cast<int64_t>(tokens.previous.size()) >= need,
+            "target token ids: the call starts at position "
+                << first << ", so the " << need << " ids before it are needed (previous), got "
+                << tokens.previous.size());
+  for (size_t i = 0; i < tokens.previous.size(); ++i) check(tokens.previous[i], "previous", i);
+}
+
+template <typename T>
+void token_features(const TokenCodes& codes, int64_t context, const TargetTokens& tokens,
+                    int64_t first, int64_t t0, int64_t n, T* out) {
+  const int64_t d = codes.dims, width = context * d;
+  const int64_t before = static_cast<int64_t>(tokens.previous.size());
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t c = 0; c < context; ++c) {
+      T* row = out + t * width + c * d;
+      const int64_t i = t0 + t - c;  // index among the call's tokens; < 0: before them
+      int64_t id = -1;
+      if (first + i >= 0) id = i >= 0 ? token_at(tokens.ids, static_cast<size_t>(i))
+                                      : tokens.previous[static_cast<size_t>(before + i)];
+      if (id < 0) {
+        std::fill(row, row + d, T(0));
+      } else {
+        const float* code = codes.values.data() + id * d;
+        for (int64_t k = 0; k < d; ++k) row[k] = static_cast<T>(code[k]);
+      }
+    }
+  }
+}
+template void token_features<float>(const TokenCodes&, int64_t, const TargetTokens&, int64_t,
+                                    int64_t, int64_t, float*);
+template void token_features<double>(const TokenCodes&, int64_t, const TargetTokens&, int64_t,
+                                     int64_t, int64_t, double*);
+
 void check_convert_positions(const KVView& src, int64_t start_pos, const KVView& dst,
                              const std::vector<int64_t>* alignment, int64_t target_start_pos) {
   detail::check_positions(start_pos, src.tokens());
@@ -308,24 +398,48 @@ const std::vector<float>& LinearAdapter::key_norm(int64_t layer) const {
   return impl_->key_norm.empty() ? kNone : impl_->key_norm[static_cast<size_t>(layer)];
 }
 
+bool LinearAdapter::has_token_codes() const noexcept { return !impl_->token_codes.empty(); }
+const TokenCodes& LinearAdapter::token_codes() const noexcept { return impl_->token_codes; }
+int64_t LinearAdapter::token_context() const noexcept { return impl_->token_context; }
+const std::vector<float>& LinearAdapter::token_weights(int64_t layer, int kind) const {
+  KVB_CHECK(layer >= 0 && layer < impl_->target.num_layers && (kind == 0 || kind == 1),
+            "token_weights: no layer " << layer << " kind " << kind);
+  static const std::vector<float> kNone;
+  return impl_->token_weights.empty()
+             ? kNone
+             : impl_->token_weights[static_cast<size_t>(layer)][static_cast<size_t>(kind)];
+}
+
 void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst) const {
   convert(src, start_pos, dst, nullptr);
 }
 
 void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst,
                             void* cuda_stream) const {
-  convert_dispatch(src, start_pos, dst, nullptr, start_pos, cuda_stream);
+  convert_dispatch(src, start_pos, dst, nullptr, start_pos, nullptr, cuda_stream);
 }
 
 void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst,
                             const std::vector<int64_t>& alignment, int64_t target_start_pos,
                             void* cuda_stream) const {
-  convert_dispatch(src, start_pos, dst, &alignment, target_start_pos, cuda_stream);
+  convert_dispatch(src, start_pos, dst, &alignment, target_start_pos, nullptr, cuda_stream);
+}
+
+void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst,
+                            const TargetTokens& tokens, void* cuda_stream) const {
+  convert_dispatch(src, start_pos, dst, nullptr, start_pos, &tokens, cuda_stream);
+}
+
+void LinearAdapter::convert(const KVView& src, int64_t start_pos, const KVView& dst,
+                            const std::vector<int64_t>& alignment, int64_t target_start_pos,
+                            const TargetTokens& tokens, void* cuda_stream) const {
+  convert_dispatch(src, start_pos, dst, &alignment, target_start_pos, &tokens, cuda_stream);
 }
 
 void LinearAdapter::convert_dispatch(const KVView& src, int64_t start_pos, const KVView& dst,
                                      const std::vector<int64_t>* alignment,
-                                     int64_t target_start_pos, void* cuda_stream) const {
+                                     int64_t target_start_pos, const TargetTokens* tokens,
+                                     void* cuda_stream) const {
   KVB_CHECK(src.device() == dst.device(),
             "source_kv and target_kv must be on one device, got "
                 << (src.device().type == DeviceType::kCUDA ? "cuda:" : "cpu:") << src.device().index
@@ -335,21 +449,35 @@ void LinearAdapter::convert_dispatch(const KVView& src, int64_t start_pos, const
     KVB_CHECK_AS(Unavailable, impl_->key_norm.empty(),
                  "convert: this adapter applies the target's key norm (has_key_norm), which only "
                  "the CPU path does so far; convert on the CPU");
+    KVB_CHECK_AS(Unavailable, impl_->token_codes.empty(),
+                 "convert: this adapter takes the target's token codes (has_token_codes), which "
+                 "only the CPU path does so far; convert on the CPU");
     detail::convert_cuda(*impl_, src, start_pos, dst, cuda_stream, alignment, target_start_pos);
     return;
   }
-  convert_impl<float>(*impl_, src, start_pos, dst, alignment, target_start_pos);
+  convert_impl<float>(*impl_, src, start_pos, dst, alignment, target_start_pos, tokens);
 }
 
 void LinearAdapter::convert_reference(const KVView& src, int64_t start_pos,
                                       const KVView& dst) const {
-  convert_impl<double>(*impl_, src, start_pos, dst, nullptr, start_pos);
+  convert_impl<double>(*impl_, src, start_pos, dst, nullptr, start_pos, nullptr);
 }
 
 void LinearAdapter::convert_reference(const KVView& src, int64_t start_pos, const KVView& dst,
                                       const std::vector<int64_t>& alignment,
                                       int64_t target_start_pos) const {
-  convert_impl<double>(*impl_, src, start_pos, dst, &alignment, target_start_pos);
+  convert_impl<double>(*impl_, src, start_pos, dst, &alignment, target_start_pos, nullptr);
+}
+
+void LinearAdapter::convert_reference(const KVView& src, int64_t start_pos, const KVView& dst,
+                                      const TargetTokens& tokens) const {
+  convert_impl<double>(*impl_, src, start_pos, dst, nullptr, start_pos, &tokens);
+}
+
+void LinearAdapter::convert_reference(const KVView& src, int64_t start_pos, const KVView& dst,
+                                      const std::vector<int64_t>& alignment,
+                                      int64_t target_start_pos, const TargetTokens& tokens) const {
+  convert_impl<double>(*impl_, src, start_pos, dst, &alignment, target_start_pos, &tokens);
 }
 
 }  // namespace kvbridge

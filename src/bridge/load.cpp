@@ -227,10 +227,18 @@ Converted Bridge::Impl::convert(const LoadRequest& req, NativePrefix& native, Ca
 
   start = Clock::now();
   const KVView out_view = out.view.slice_tokens(native_len, missing);
+  // The target's ids of the converted tokens and the few before them (adapters with token codes
+  // take them; others ignore them).
+  TargetTokens ids;
+  ids.ids = req.tokens.data ? TokenSpan(req.tokens.data + native_len, static_cast<size_t>(missing))
+                            : TokenSpan(req.tokens.data32 + native_len, static_cast<size_t>(missing));
+  for (int64_t t = std::max<int64_t>(0, native_len - adapter.token_context()); t < native_len; ++t)
+    ids.previous.push_back(req.tokens.data ? req.tokens.data[t]
+                                           : static_cast<int64_t>(req.tokens.data32[t]));
   if (aligned) {
-    adapter.convert(source_view, lo, out_view, rows, native_len);
+    adapter.convert(source_view, lo, out_view, rows, native_len, ids);
   } else {
-    adapter.convert(source_view, native_len, out_view);
+    adapter.convert(source_view, native_len, out_view, ids);
   }
   convert_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   source_kv.reset();

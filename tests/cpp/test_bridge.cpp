@@ -322,6 +322,59 @@ TEST_F(BridgeTest, LongerConvertedPrefixExtendsNativeOne) {
   EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 48);
 }
 
+// An adapter that takes the target's token codes: the Bridge hands it the ids of the tokens it
+// converts and of the ones before them (the native prefix's last), so a load extending a native
+// prefix equals the adapter's own convert of that range with those ids.
+TEST_F(BridgeTest, TokenCodesGetTheTargetsIds) {
+  const auto tokens = testing::random_tokens(61, 19, 500);
+  FitOptions options;
+  options.selection = FitOptions::Selection::kAll;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist;
+  options.target_token_codes.vocab = 500;
+  options.target_token_codes.dims = 4;
+  for (int i = 0; i < 2000; ++i) options.target_token_codes.values.push_back(dist(rng));
+  AdapterFitter fitter(*src_, *tgt_, options);
+  for (int i = 0; i < 4; ++i) {
+    FloatKV a(*src_, 61), b(*tgt_, 61);
+    a.randomize(60 + i);
+    b.randomize(70 + i);
+    // Targets that depend on the ids, so the codes' term is fitted (and used below).
+    const std::vector<float>& codes = options.target_token_codes.values;
+    for (int64_t j = 0; j < 2; ++j)
+      for (int k = 0; k < 2; ++k)
+        for (int64_t t = 0; t < 61; ++t)
+          for (int64_t o = 0; o < 18; ++o)
+            b.at(j, k, t, o / 6, o % 6) += 3 * codes[static_cast<size_t>(tokens[t] * 4 + o % 4)];
+    fitter.add(a.view(), b.view(), 0, TargetTokens{TokenSpan(tokens), {}});
+  }
+  auto adapter = std::make_shared<const LinearAdapter>(fitter.fit());
+  ASSERT_TRUE(adapter->has_token_codes());
+  for (int64_t j = 0; j < 2; ++j) ASSERT_FALSE(adapter->token_weights(j, 1).empty()) << j;
+
+  KVStore store(store_options());
+  BridgeOptions bo;
+  bo.min_quality = -std::numeric_limits<double>::infinity();
+  Bridge bridge(store, bo);
+  bridge.add_adapter(adapter);
+  FloatKV src(*src_, 61, 2), tgt(*tgt_, 61);
+  src.randomize(14);
+  tgt.randomize(15);
+  bridge.save(*src_, tokens, src.view());
+  const std::vector<int64_t> head(tokens.begin(), tokens.begin() + 20);
+  bridge.save(*tgt_, head, tgt.view().slice_tokens(0, 20));  // caches 16 tokens
+  const Load load = bridge.load(*tgt_, tokens);
+  ASSERT_TRUE(load.converted());
+  EXPECT_EQ(load.native_tokens(), 16);
+  ASSERT_EQ(load.tokens(), 48);
+  std::vector<float> want(static_cast<size_t>(2 * 2 * 32 * 18));
+  const std::vector<int64_t> ids(tokens.begin() + 16, tokens.begin() + 48);
+  adapter->convert(src.view().slice_tokens(16, 32), 16,
+                   KVView::contiguous(want.data(), DType::kFloat32, {}, 2, 32, 3, 6),
+                   TargetTokens{TokenSpan(ids), {tokens[15]}});
+  EXPECT_EQ(token_range(load_kv(load, *tgt_), *tgt_, 48, 16, 32), want);
+}
+
 TEST_F(BridgeTest, LongestSourceWinsAmongAdapters) {
   KVStore store(store_options());
   Bridge bridge(store);
