@@ -70,8 +70,8 @@ def text(name: str, value: Any) -> str:
     return value
 
 
-def alignment(name: str, value: Any) -> list:
-    """An alignment (kvbridge.align): a 1-D sequence or array of ints, as a list of ints."""
+def int_list(name: str, value: Any) -> list:
+    """A 1-D sequence or array of ints (an alignment, token ids), as a list of ints."""
     arr = np.asarray(value)
     if arr.size == 0 and arr.ndim == 1:
         return []
@@ -82,6 +82,19 @@ def alignment(name: str, value: Any) -> list:
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > INT64_MAX:
         raise _core.InvalidArgumentError(f"{name}: entries must fit int64")
     return arr.astype(np.int64).tolist()
+
+
+def float32_matrix(name: str, value: Any) -> np.ndarray:
+    """A 2-D array of real numbers (a tensor, an array or nested sequences) as a C-contiguous
+    float32 array; the core checks that each is finite."""
+    if hasattr(value, "detach"):  # a torch tensor, on any device
+        value = value.detach().cpu().float().numpy()
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iuf":
+        raise TypeError(f"{name}: expected a 2-D array of numbers, got dtype {arr.dtype}")
+    if arr.ndim != 2:
+        raise _core.InvalidArgumentError(f"{name}: expected a 2-D array, got shape {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
 
 
 def float_rows(name: str, value: Any) -> list:

@@ -96,6 +96,25 @@ class LinearAdapter:
                             dtype=torch.float32)
 
     @property
+    def has_token_codes(self) -> bool:
+        """Whether the maps take the target's token codes (then convert needs target_ids)."""
+        return self._native.has_token_codes
+
+    @property
+    def token_codes(self) -> Optional[torch.Tensor]:
+        """The target's token codes the maps take (AdapterFitter's target_token_codes), float32
+        [vocab, dims] (a copy), or None when they take none; convert then needs the target's
+        ids."""
+        if not self._native.has_token_codes:
+            return None
+        return torch.from_numpy(self._native.token_codes)
+
+    @property
+    def token_context(self) -> int:
+        """Tokens whose codes feed each target token (it and the ones before); 0 without codes."""
+        return self._native.token_context
+
+    @property
     def fingerprint(self) -> str:
         """32 hex digits identifying the adapter's content (the checksum its file carries,
         computed without the serving defaults: recording them keeps the fingerprint)."""
@@ -165,6 +184,7 @@ class LinearAdapter:
 
     def convert(self, source_kv: KVCache, start_pos: int = 0, alignment: Any = None,
                 target_start_pos: Optional[int] = None, *,
+                target_ids: Any = None, previous_ids: Any = (),
                 reference: bool = False, as_cache: Optional[bool] = None) -> KVCache:
         """The target model's KV for the same tokens, on the input's device.
 
@@ -179,6 +199,10 @@ class LinearAdapter:
             source token j.
         target_start_pos: absolute position of the output's first token with an alignment
             (default start_pos).
+        target_ids: the target's token ids of the output's tokens (ints, one per output token),
+            which an adapter with token codes (token_codes not None) needs and others ignore;
+            previous_ids: the ids just before them, nearest last, at least
+            min(token_context - 1, first output position) of them.
         reference: compute in float64 on the CPU (slow; for validation); CUDA inputs are copied
             to the host and the result back.
         as_cache: return a transformers DynamicCache (True) or a legacy tuple (False); default:
@@ -197,13 +221,16 @@ class LinearAdapter:
         target_start_pos = (start_pos if target_start_pos is None
                             else _args.position("target_start_pos", target_start_pos))
         if alignment is not None:
-            alignment = _args.alignment("alignment", alignment)
+            alignment = _args.int_list("alignment", alignment)
+        ids = None if target_ids is None else _args.int_list("target_ids", target_ids)
         out = self._convert(check_kv(source_kv), start_pos, _args.flag("reference", reference),
-                            alignment, target_start_pos)
+                            alignment, target_start_pos, ids,
+                            _args.int_list("previous_ids", list(previous_ids)))
         return legacy_to_cache(out, self.target) if as_cache else out
 
     def _convert(self, pairs, start_pos: int, reference: bool, alignment: Optional[List[int]] = None,
-                 target_start_pos: int = 0) -> KVCache:
+                 target_start_pos: int = 0, target_ids: Optional[List[int]] = None,
+                 previous_ids: Sequence[int] = ()) -> KVCache:
         device = pairs[0][0].device
         tokens = pairs[0][0].shape[2] if pairs[0][0].dim() == 4 else 0
         if alignment is not None:
@@ -214,14 +241,14 @@ class LinearAdapter:
             dst_k, dst_v = kv_views(out)
             stream = torch.cuda.current_stream(device).cuda_stream
             self._native.convert(src_k, src_v, int(start_pos), dst_k, dst_v, False, stream,
-                                 alignment, target_start_pos)
+                                 alignment, target_start_pos, target_ids, list(previous_ids))
             return out
         pairs = host_kv(pairs)
         out = empty_kv(self.target, tokens)
         src_k, src_v = kv_views(pairs)
         dst_k, dst_v = kv_views(out)
         self._native.convert(src_k, src_v, int(start_pos), dst_k, dst_v, reference, 0, alignment,
-                             target_start_pos)
+                             target_start_pos, target_ids, list(previous_ids))
         if device.type != "cpu":
             out = tuple((k.to(device), v.to(device)) for k, v in out)
         return out
@@ -249,6 +276,13 @@ class AdapterFitter:
         reads them off a model); the adapter then puts converted keys back on the set the
         target's own lie on (FitOptions::target_key_norm in include/kvbridge/adapter.h). None
         (default): the target has no key norm.
+    target_token_codes: a fixed code per target vocabulary entry, float32 [vocab, dims]
+        (kvbridge.hf.token_codes derives them from a model's input embeddings): each map then
+        also takes the codes of the target token and of the token_context - 1 before it
+        (FitOptions::target_token_codes), and add() and the adapter's convert need the target's
+        token ids. None (default): the maps take the source's KV alone.
+    token_context: tokens whose codes feed each target token, in [1, 8] (default 2: it and the
+        one before).
     max_memory_bytes: bound on the float64 accumulators (default 8 GiB). When "auto" over all
         source layers would exceed it, the fitter takes two passes over the samples: a probe pass
         that ranks source layers per target layer, then `next_pass()` and the same samples again
@@ -262,7 +296,8 @@ class AdapterFitter:
                  max_source_layers: int = 8, seed: int = 0,
                  max_memory_bytes: Optional[int] = None, alignment_policy: str = "",
                  min_gain: float = 1e-4, exact_candidates: int = 2,
-                 target_key_norm: Any = None):
+                 target_key_norm: Any = None, target_token_codes: Any = None,
+                 token_context: int = 2):
         opts = _core.FitOptions()
         if isinstance(source_layers, str):
             if source_layers not in ("auto", "all"):
@@ -290,6 +325,10 @@ class AdapterFitter:
             opts.max_memory_bytes = _args.size("max_memory_bytes", max_memory_bytes)
         if target_key_norm is not None:
             opts.target_key_norm = _args.float_rows("target_key_norm", target_key_norm)
+        opts.token_context = _args.size("token_context", token_context)
+        if target_token_codes is not None:
+            opts.set_target_token_codes(_args.float32_matrix("target_token_codes",
+                                                             target_token_codes))
         self._native = _core.AdapterFitter(source_spec, target_spec, opts)
 
     @property
@@ -323,7 +362,7 @@ class AdapterFitter:
         return self._native.candidate_layers()
 
     def add(self, source_kv: KVCache, target_kv: KVCache, start_pos: int = 0,
-            alignment: Any = None) -> None:
+            alignment: Any = None, *, target_ids: Any = None, previous_ids: Any = ()) -> None:
         """Adds both models' KV for the same tokens (legacy tuples or DynamicCaches, any device
         and strides), at absolute positions start_pos, start_pos + 1, ...
 
@@ -331,13 +370,18 @@ class AdapterFitter:
             int per target token (kvbridge.align / align_text(...).index): target token j is
             paired with source token alignment[j] (keys un-rotated at start_pos + alignment[j]);
             -1 entries are skipped. The two caches' token counts may then differ.
+        target_ids: the target's token ids, one per target token (ints), which a fitter with
+            target_token_codes needs and others ignore; previous_ids: the ids just before them,
+            nearest last, when start_pos > 0 (LinearAdapter.convert says how many).
         """
         if alignment is not None:
-            alignment = _args.alignment("alignment", alignment)
+            alignment = _args.int_list("alignment", alignment)
         src, tgt = host_kv(source_kv), host_kv(target_kv)
         sk, sv = kv_views(src)
         tk, tv = kv_views(tgt)
-        self._native.add(sk, sv, tk, tv, _args.position("start_pos", start_pos), alignment)
+        ids = None if target_ids is None else _args.int_list("target_ids", target_ids)
+        self._native.add(sk, sv, tk, tv, _args.position("start_pos", start_pos), alignment, ids,
+                         _args.int_list("previous_ids", list(previous_ids)))
 
     def fit(self, progress: Union[bool, Callable[[float, float, int, int], None], None] = None
             ) -> LinearAdapter:

@@ -180,7 +180,7 @@ def probe_adapter(adapter: LinearAdapter, source_model: Any, target_model: Any,
         ids = [int(x) for x in p]
         if len(ids) < 2:
             raise _core.InvalidArgumentError(f"probe: prompts need at least 2 tokens, got {len(ids)}")
-        conv = adapter.convert(prefix_kv(source_model, ids[:-1]))
+        conv = adapter.convert(prefix_kv(source_model, ids[:-1]), target_ids=ids[:-1])
         total = total + compare(target_model, ids, conv, positions)
     if total.positions == 0:
         raise _core.InvalidArgumentError("probe: no prompts")

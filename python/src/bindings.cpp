@@ -457,6 +457,10 @@ py::dict report_dict(const FitReport& r) {
     d["r2_value"] = lf.r2_value;
     d["ridge_key"] = lf.ridge_key;
     d["ridge_value"] = lf.ridge_value;
+    // NaN (no token codes' term) as None.
+    const auto ridge = [](double v) { return std::isnan(v) ? py::object(py::none()) : py::float_(v); };
+    d["token_ridge_key"] = ridge(lf.token_ridge_key);
+    d["token_ridge_value"] = ridge(lf.token_ridge_value);
     py::list steps;
     for (const SelectionStep& st : lf.selection) {
       py::dict e;
@@ -791,7 +795,18 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("max_memory_bytes", &FitOptions::max_memory_bytes)
       .def_readwrite("min_gain", &FitOptions::min_gain)
       .def_readwrite("exact_candidates", &FitOptions::exact_candidates)
-      .def_readwrite("target_key_norm", &FitOptions::target_key_norm);
+      .def_readwrite("target_key_norm", &FitOptions::target_key_norm)
+      .def_readwrite("token_context", &FitOptions::token_context)
+      // codes: float32 [vocab, dims], copied.
+      .def("set_target_token_codes",
+           [](FitOptions& o, const py::array_t<float, py::array::c_style | py::array::forcecast>& codes) {
+             KVB_CHECK(codes.ndim() == 2, "target_token_codes: expected [vocab, dims], got "
+                                              << codes.ndim() << " dimensions");
+             o.target_token_codes.vocab = codes.shape(0);
+             o.target_token_codes.dims = codes.shape(1);
+             o.target_token_codes.values.assign(codes.data(), codes.data() + codes.size());
+           },
+           py::arg("codes"));
 
   // Shared: a Bridge holds the adapters registered with it.
   py::class_<LinearAdapter, std::shared_ptr<LinearAdapter>>(m, "LinearAdapter")
@@ -802,6 +817,18 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("fingerprint", &LinearAdapter::fingerprint)
       .def_property_readonly("has_key_norm", &LinearAdapter::has_key_norm)
       .def("key_norm", &LinearAdapter::key_norm, py::arg("layer"))
+      .def_property_readonly("has_token_codes", &LinearAdapter::has_token_codes)
+      .def_property_readonly("token_context", &LinearAdapter::token_context)
+      // float32 [vocab, dims], a copy (empty [0, 0] when none).
+      .def_property_readonly("token_codes",
+                             [](const LinearAdapter& a) {
+                               const TokenCodes& c = a.token_codes();
+                               py::array_t<float> out({c.vocab, c.dims});
+                               std::memcpy(out.mutable_data(), c.values.data(),
+                                           c.values.size() * sizeof(float));
+                               return out;
+                             })
+      .def("token_weights", &LinearAdapter::token_weights, py::arg("layer"), py::arg("kind"))
       // Serving defaults: a dict (NaN figures as None), None when nothing is recorded.
       .def_property_readonly("serving",
                              [](const LinearAdapter& a) -> py::object {
@@ -859,12 +886,24 @@ PYBIND11_MODULE(_core, m) {
              const std::vector<TensorView>& src_values, int64_t start_pos,
              const std::vector<TensorView>& dst_keys, const std::vector<TensorView>& dst_values,
              bool reference, uintptr_t stream, const std::optional<std::vector<int64_t>>& alignment,
-             int64_t target_start_pos) {
+             int64_t target_start_pos, const std::optional<std::vector<int64_t>>& target_ids,
+             const std::vector<int64_t>& previous_ids) {
             const KVView src = KVView::from_hf_layers(src_keys, src_values);
             const KVView dst = KVView::from_hf_layers(dst_keys, dst_values);
             py::gil_scoped_release release;
             void* s = reinterpret_cast<void*>(stream);
-            if (alignment && reference) {
+            if (target_ids) {
+              const TargetTokens t{TokenSpan(*target_ids), previous_ids};
+              if (alignment && reference) {
+                a.convert_reference(src, start_pos, dst, *alignment, target_start_pos, t);
+              } else if (alignment) {
+                a.convert(src, start_pos, dst, *alignment, target_start_pos, t, s);
+              } else if (reference) {
+                a.convert_reference(src, start_pos, dst, t);
+              } else {
+                a.convert(src, start_pos, dst, t, s);
+              }
+            } else if (alignment && reference) {
               a.convert_reference(src, start_pos, dst, *alignment, target_start_pos);
             } else if (alignment) {
               a.convert(src, start_pos, dst, *alignment, target_start_pos, s);
@@ -876,7 +915,8 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("src_keys"), py::arg("src_values"), py::arg("start_pos"), py::arg("dst_keys"),
           py::arg("dst_values"), py::arg("reference") = false, py::arg("stream") = 0,
-          py::arg("alignment") = py::none(), py::arg("target_start_pos") = 0);
+          py::arg("alignment") = py::none(), py::arg("target_start_pos") = 0,
+          py::arg("target_ids") = py::none(), py::arg("previous_ids") = std::vector<int64_t>());
 
   py::class_<AdapterFitter>(m, "AdapterFitter")
       .def(py::init<const ModelSpec&, const ModelSpec&, const FitOptions&>(), py::arg("source"),
@@ -886,18 +926,28 @@ PYBIND11_MODULE(_core, m) {
           [](AdapterFitter& f, const std::vector<TensorView>& src_keys,
              const std::vector<TensorView>& src_values, const std::vector<TensorView>& tgt_keys,
              const std::vector<TensorView>& tgt_values, int64_t start_pos,
-             const std::optional<std::vector<int64_t>>& alignment) {
+             const std::optional<std::vector<int64_t>>& alignment,
+             const std::optional<std::vector<int64_t>>& target_ids,
+             const std::vector<int64_t>& previous_ids) {
             const KVView src = KVView::from_hf_layers(src_keys, src_values);
             const KVView tgt = KVView::from_hf_layers(tgt_keys, tgt_values);
             py::gil_scoped_release release;
-            if (alignment) {
+            if (target_ids) {
+              const TargetTokens t{TokenSpan(*target_ids), previous_ids};
+              if (alignment) {
+                f.add(src, tgt, start_pos, *alignment, t);
+              } else {
+                f.add(src, tgt, start_pos, t);
+              }
+            } else if (alignment) {
               f.add(src, tgt, start_pos, *alignment);
             } else {
               f.add(src, tgt, start_pos);
             }
           },
           py::arg("src_keys"), py::arg("src_values"), py::arg("tgt_keys"), py::arg("tgt_values"),
-          py::arg("start_pos"), py::arg("alignment") = py::none())
+          py::arg("start_pos"), py::arg("alignment") = py::none(),
+          py::arg("target_ids") = py::none(), py::arg("previous_ids") = std::vector<int64_t>())
       .def_property_readonly("train_tokens", &AdapterFitter::train_tokens)
       .def_property_readonly("holdout_tokens", &AdapterFitter::holdout_tokens)
       .def_property_readonly("memory_bytes", &AdapterFitter::memory_bytes)

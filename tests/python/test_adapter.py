@@ -528,3 +528,85 @@ def test_key_norm_puts_converted_keys_on_the_targets_set(weights, tmp_path):
             kvbridge.AdapterFitter(SRC, TGT, target_key_norm=bad)
     with pytest.raises(kvbridge.InvalidArgumentError, match="2-D"):
         kvbridge.AdapterFitter(SRC, TGT, target_key_norm=gains[0])
+
+
+def codes_sample(weights, codes, wz, tokens, start_pos, seed, previous=()):
+    """planted_sample with a token term: each target map also adds wz[j][kind] [2 * dims, 12]
+    times the codes of the token and of the one before it (zeros before position 0); random ids
+    in [0, len(codes))."""
+    src, tgt = planted_sample(weights, tokens, start_pos, seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    ids = torch.randint(codes.shape[0], (tokens,), generator=g).tolist()
+    before = list(previous)[-1:] if start_pos > 0 else []
+    prev = before + ids[:-1] if start_pos > 0 else [None] + ids[:-1]
+    z = torch.cat([codes[ids].double(),
+                   torch.stack([codes[i].double() if i is not None else
+                                torch.zeros(codes.shape[1], dtype=torch.float64) for i in prev])],
+                  dim=1)
+    out = []
+    for j, (k, v) in enumerate(tgt):
+        dk = (z @ wz[j][0]).reshape(1, tokens, 3, 4).transpose(1, 2)
+        dv = (z @ wz[j][1]).reshape(1, tokens, 3, 4).transpose(1, 2)
+        out.append(((k.double() + rope(dk, 50000.0, start_pos, "interleaved")).float(),
+                    (v.double() + dv).float()))
+    return src, tuple(out), ids
+
+
+def test_token_codes_fit_convert_and_file(weights, tmp_path):
+    """A fitter with the target's token codes finds a planted token term (the R² with it is near
+    1, without it far below), convert needs the ids and matches the float64 path, and the file
+    keeps the codes."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randn(37, 3, generator=g)
+    wz = [(torch.randn(6, 12, generator=g, dtype=torch.float64),
+           torch.randn(6, 12, generator=g, dtype=torch.float64)) for _ in range(3)]
+
+    def fit(**kw):
+        fitter = kvbridge.AdapterFitter(SRC, TGT, source_layers="all", **kw)
+        for i in range(4):
+            src, tgt, ids = codes_sample(weights, codes, wz, 400, 0, seed=40 + i)
+            fitter.add(src, tgt, target_ids=ids)
+        return fitter.fit()
+
+    adapter, plain = fit(target_token_codes=codes), fit()
+    assert adapter.has_token_codes and not plain.has_token_codes and plain.token_codes is None
+    assert torch.equal(adapter.token_codes, codes) and adapter.token_context == 2
+    for with_codes, without in zip(adapter.report["layers"], plain.report["layers"]):
+        assert with_codes["r2_key"] > 0.99 and with_codes["r2_value"] > 0.99
+        assert without["r2_key"] < with_codes["r2_key"] - 0.2
+        assert with_codes["token_ridge_key"] is not None and without["token_ridge_key"] is None
+
+    src, tgt, ids = codes_sample(weights, codes, wz, 61, 9, seed=60, previous=[4])
+    with pytest.raises(kvbridge.InvalidArgumentError, match="token ids"):
+        adapter.convert(src, 9)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="previous"):
+        adapter.convert(src, 9, target_ids=ids)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="outside"):
+        adapter.convert(src, 9, target_ids=[37] + ids[1:], previous_ids=[4])
+    out = adapter.convert(src, 9, target_ids=ids, previous_ids=[4])
+    ref = adapter.convert(src, 9, target_ids=ids, previous_ids=[4], reference=True)
+    err = sum(float(((a - b) ** 2).sum()) for pair in zip(out, tgt) for a, b in zip(*pair))
+    norm = sum(float((b ** 2).sum()) for _, pair in zip(out, tgt) for b in pair)
+    assert math.sqrt(err / norm) < 0.05
+    for (k, v), (rk, rv) in zip(out, ref):
+        assert torch.allclose(k, rk, atol=1e-4 * float(rk.abs().max()))
+        assert torch.allclose(v, rv, atol=1e-4 * float(rv.abs().max()))
+
+    path = tmp_path / "codes.safetensors"
+    adapter.save(path)
+    loaded = kvbridge.LinearAdapter.load(path)
+    assert loaded.fingerprint == adapter.fingerprint and torch.equal(loaded.token_codes, codes)
+    for (k, v), (k0, v0) in zip(loaded.convert(src, 9, target_ids=ids, previous_ids=[4]), out):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    meta, tensors = read_adapter_file(path)
+    assert tensors["token_codes"].shape == (37, 3) and meta["token_context"] == "2"
+    assert tensors["layers.2.value.token_weight"].shape == (6, 12)
+
+    fitter = kvbridge.AdapterFitter(SRC, TGT, target_token_codes=codes)
+    src, tgt, ids = codes_sample(weights, codes, wz, 20, 0, seed=70)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="token ids"):
+        fitter.add(src, tgt)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="target_token_codes"):
+        kvbridge.AdapterFitter(SRC, TGT, target_token_codes=codes.masked_fill(codes > 1, math.inf))
+    with pytest.raises(kvbridge.InvalidArgumentError, match="token_context"):
+        kvbridge.AdapterFitter(SRC, TGT, target_token_codes=codes, token_context=9)

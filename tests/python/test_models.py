@@ -108,9 +108,9 @@ def test_gemma_past_its_window_store_round_trip_matches_a_full_prefill(gemma):
 
 @torch.no_grad()
 def test_small_fit_and_convert_across_tokenizers(smollm2, gemma):
-    """SmolLM2 -> Gemma on a few windows of the corpus: the fitted adapter converts a held-out
-    window's source cache into Gemma's geometry, the fast path agrees with the float64
-    reference, the file round trip keeps Gemma's per-layer attention, and the converted cache
+    """SmolLM2 -> Gemma on a few windows of the corpus: the fitted adapter (with Gemma's token
+    codes, the eval's default) converts a held-out window's source cache into Gemma's geometry,
+    the fast path agrees with the float64 reference, the file round trip keeps Gemma's per-layer attention, and the converted cache
     carries some of the context (its continuation loss is below no prefix at all)."""
     pair = real_eval.Pair(smollm2, gemma)
     train_files, heldout_files = corpus.split_files(corpus.stdlib_files())
@@ -123,8 +123,11 @@ def test_small_fit_and_convert_across_tokenizers(smollm2, gemma):
     index, missing = eval_cross.alignment("covering", src, tgt)
     assert missing == 0 and index[0] == 0  # start token to start token
     src_kv = hf.prefix_kv(smollm2.model, src.ids)
-    fast = adapter.convert(src_kv, alignment=index)
-    ref = adapter.convert(src_kv, alignment=index, reference=True)
+    vocab = gemma.model.get_input_embeddings().weight.shape[0]
+    assert adapter.has_token_codes and adapter.token_codes.shape == (vocab, 64)
+    assert torch.equal(adapter.token_codes, hf.token_codes(gemma.model))
+    fast = adapter.convert(src_kv, alignment=index, target_ids=tgt.ids)
+    ref = adapter.convert(src_kv, alignment=index, target_ids=tgt.ids, reference=True)
     assert len(fast) == 18 and fast[0][0].shape == (1, 1, len(tgt.ids), 256)
     for (a, b), (c, d) in zip(fast, ref):
         scale = max(float(c.abs().max()), float(d.abs().max()))

@@ -55,7 +55,7 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
     saved (the file name binds both fingerprints and the setting)."""
     setting = {k: getattr(config, k) for k in
                ("window_bytes", "train_windows", "heldout_share", "policy", "source_layers",
-                "seed")}
+                "token_codes", "seed")}
     # An adapter fitted before the fit took the target's key norm is not this setting's.
     setting["target_key_norm"] = hf.key_norm(pair.target.model) is not None
     setting = json.dumps(setting, sort_keys=True)

@@ -15,7 +15,9 @@ Fitting. Both models prefill each training window from position 0 with their own
 RoPE-aware, ``source_layers`` as given (default "auto", the fitter's default), target token j
 paired with source token a(j) of the alignment policy (default kvbridge's), the start tokens
 paired by role; for a target with a key norm (QK-norm, as Gemma 3 has) its gains
-(kvbridge.hf.key_norm), so the adapter keeps converted keys on the target's norm.
+(kvbridge.hf.key_norm), so the adapter keeps converted keys on the target's norm; and the target's
+token codes (kvbridge.hf.token_codes, ``token_codes`` dims; 0 for none), so each map also takes
+which target tokens a position and the one before it hold (the alignment loses that).
 
 Metrics (DESIGN.md). A held-out window is cut at byte ``(1 - share) * n``: the target's tokens
 from there on are the continuation, the ones before it the prompt. As on the Bridge path the
@@ -78,6 +80,7 @@ class RealConfig:
     ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
     ttft_repeats: int = 3
     converted_start: bool = False      # ablation: the start token's KV converted too
+    token_codes: int = hf.TOKEN_CODE_DIMS  # width of the target's token codes; 0: none
     seed: int = 0
 
 
@@ -116,8 +119,10 @@ def fitter_options(pair: Pair, config: RealConfig) -> Dict[str, Any]:
     if layers not in ("auto", "all"):
         layers = nearest_layers(pair.source.spec.num_layers, pair.target.spec.num_layers,
                                 int(layers))
+    codes = hf.token_codes(pair.target.model, config.token_codes) if config.token_codes else None
     return {"rope_aware": True, "source_layers": layers, "alignment_policy": config.policy,
-            "seed": config.seed, "target_key_norm": hf.key_norm(pair.target.model)}
+            "seed": config.seed, "target_key_norm": hf.key_norm(pair.target.model),
+            "target_token_codes": codes}
 
 
 def encode(model: models.LoadedModel, text: str) -> eval_cross.Encoded:
@@ -136,7 +141,8 @@ def fit(pair: Pair, texts: Sequence[str], config: RealConfig,
             src, tgt = encode(pair.source, text), encode(pair.target, text)
             index, _ = eval_cross.alignment(config.policy, src, tgt)
             fitter.add(prefix_kv(pair.source.model, src.ids),
-                       prefix_kv(pair.target.model, tgt.ids), alignment=index)
+                       prefix_kv(pair.target.model, tgt.ids), alignment=index,
+                       target_ids=tgt.ids)
     return fitter.fit(progress=progress)
 
 
@@ -190,7 +196,7 @@ def converted(adapter: kvbridge.LinearAdapter, window: HeldOutWindow, src_kv: KV
     alignment policy; with `start`, its first token's KV replaced by it (with_own_start)."""
     index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", window.src,
                                     window.cached)
-    conv = adapter.convert(src_kv, alignment=index)
+    conv = adapter.convert(src_kv, alignment=index, target_ids=window.cached.ids)
     return conv if start is None else with_own_start(conv, start)
 
 
@@ -257,7 +263,8 @@ def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[
             m = len(tgt.ids) - 1
             cached = eval_cross.Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m])
             index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
-            kv = with_own_start(adapter.convert(src_kv, alignment=index), start)
+            kv = with_own_start(adapter.convert(src_kv, alignment=index, target_ids=cached.ids),
+                                start)
             out["converted"] = next_token(tgt_m.model, tgt.ids[m:], kv)
 
         a, times = alternate_timings(own, {"converted": converted}, repeats)
@@ -410,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--converted-start", action="store_true",
                    help="ablation: score the conversion of the start token too (the Bridge "
                    "serves the target's own)")
+    p.add_argument("--token-codes", type=at_least(0), default=d.token_codes, metavar="DIMS",
+                   help="width of the target's token codes the fit takes besides the source's "
+                   "KV (kvbridge.hf.token_codes); 0: none, the source's KV alone")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--threads", type=at_least(0), default=0,
                    help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
@@ -428,7 +438,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         policy=args.policy, source_layers=args.source_layers,
                         tails=list(args.tails), ttft_tokens=list(args.ttft_tokens),
                         ttft_repeats=args.ttft_repeats, converted_start=args.converted_start,
-                        seed=args.seed)
+                        token_codes=args.token_codes, seed=args.seed)
     set_threads(args.threads)
     files = [pathlib.Path(f) for f in args.text] if args.text else corpus.default_files()
     missing = [str(f) for f in files if not f.is_file()]

@@ -99,6 +99,9 @@ class TorchAdapter(torch.nn.Module):
 
     def __init__(self, adapter: LinearAdapter, path: str, dtype: torch.dtype = torch.float32):
         super().__init__()
+        if adapter.has_token_codes:
+            raise InvalidArgumentError("refine: the adapter takes the target's token codes, which "
+                                       "TorchAdapter does not model; refine one fitted without")
         tensors, meta = read_adapter(path)
         # The file's checksum is the fingerprint unless it records serving defaults (which the
         # fingerprint leaves out): then the file's own load says.

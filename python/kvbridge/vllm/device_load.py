@@ -149,7 +149,9 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
         if end > native_len:
             source = [(k[:, :, native_len:converted_len], v[:, :, native_len:converted_len])
                       for k, v in found.kv]
-            converted = adapter.convert(source, start_pos=native_len, as_cache=False)
+            converted = adapter.convert(source, start_pos=native_len, as_cache=False,
+                                        target_ids=tokens[native_len:converted_len],
+                                        previous_ids=tokens[max(0, native_len - 8):native_len])
             finite = torch.stack([torch.isfinite(k).all() & torch.isfinite(v).all()
                                   for k, v in converted]).all()  # one device sync
             if not bool(finite) or bridge.adapter_dropped(adapter.fingerprint):
@@ -182,11 +184,12 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
 
 def loads_on_host(bridge: Bridge, spec: _core.ModelSpec) -> bool:
     """True when an adapter to `spec` is registered that only the CPU path can serve: one from
-    another tokenizer (Bridge.load aligns the tokenizations) or one with the target's key norm
-    (the CUDA convert does not apply it yet). The connector then loads through Bridge.load, not
-    through `load`."""
+    another tokenizer (Bridge.load aligns the tokenizations), one with the target's key norm or
+    one taking the target's token codes (the CUDA convert does neither yet). The connector then
+    loads through Bridge.load, not through `load`."""
     return any(a.target.fingerprint == spec.fingerprint
-               and (a.source.tokenizer != spec.tokenizer or a.key_norm is not None)
+               and (a.source.tokenizer != spec.tokenizer or a.key_norm is not None
+                    or a.has_token_codes)
                for a in bridge.adapters())
 
 
