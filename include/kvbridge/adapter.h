@@ -96,15 +96,24 @@ struct FitOptions {
   /// Codes of the target's vocabulary (TokenCodes), or empty (the default: the maps take the
   /// source's KV alone). Given, every add() needs the target's token ids (TargetTokens), and
   /// each target map gets a second term: the codes of target token t and of the token_context -
-  /// 1 tokens before it (zeros before position 0), concatenated, times weights [token_context *
-  /// dims, kv_heads * head_dim], fitted after the source maps to their training residual (ridge,
-  /// the strength chosen on held-out tokens from ridge_grid relative to the codes' mean
-  /// variance; none when no strength lowers the held-out error). The report's R² include it.
-  /// The adapter keeps the codes (LinearAdapter::token_codes) and its convert needs the ids.
-  /// Memory: the fitter holds (token_context * dims + 1) * (U * Fl + 2 * Lt * O + token_context
-  /// * dims) float64 more, twice (train and held-out), U and Fl as in AdapterFitter.
+  /// 1 tokens before it (zeros before position 0), concatenated (Dz = token_context * dims
+  /// features), times weights [Dz, kv_heads * head_dim]. The source layers are chosen without
+  /// it; then each map is refitted with it, jointly with its source weights at their chosen
+  /// ridge strength, the codes' strength chosen on held-out tokens from ridge_grid (relative to
+  /// the codes' mean variance); a map keeps no term when no strength lowers its held-out error.
+  /// The report's R² include it. Codes wider than token_code_dims are compressed: the maps'
+  /// terms are first fitted on the full codes, the token_code_dims directions of code space
+  /// that carry most of them (by the codes' covariance) are kept, and the terms are fitted
+  /// again on the codes projected on them. The adapter keeps the codes it uses
+  /// (LinearAdapter::token_codes: [vocab, min(dims, token_code_dims)]) and its convert needs
+  /// the ids; when no map keeps a term it has none.
+  /// Memory: the fitter holds 16 * Dz * (1 + Dz + U * Fl + 2 * Lt * O) bytes more (train and
+  /// held-out), U and Fl as in AdapterFitter; fit() takes, per target layer in progress, about
+  /// six float64 matrices of its set's size (|S_j| Fl)², and O((|S_j| Fl)³) time per map.
   TokenCodes target_token_codes;
   int64_t token_context = 2;  ///< tokens whose codes feed each target token: it and the ones before, in [1, 8]
+  /// Width the adapter's codes are compressed to (above); 0 keeps them as given.
+  int64_t token_code_dims = 64;
 };
 
 /// One step of kAuto's selection for one target layer: a candidate source layer fitted exactly

@@ -174,6 +174,7 @@ class FitOptions:
     exact_candidates: int
     target_key_norm: List[List[float]]
     token_context: int
+    token_code_dims: int
     # codes: float32 [vocab, dims] (copied).
     def set_target_token_codes(self, codes: np.ndarray) -> None: ...
 

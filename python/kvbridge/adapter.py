@@ -283,6 +283,8 @@ class AdapterFitter:
         token ids. None (default): the maps take the source's KV alone.
     token_context: tokens whose codes feed each target token, in [1, 8] (default 2: it and the
         one before).
+    token_code_dims: codes wider than this are compressed to the directions that carry most of
+        the maps' codes terms (FitOptions::token_code_dims; default 64); 0 keeps them.
     max_memory_bytes: bound on the float64 accumulators (default 8 GiB). When "auto" over all
         source layers would exceed it, the fitter takes two passes over the samples: a probe pass
         that ranks source layers per target layer, then `next_pass()` and the same samples again
@@ -297,7 +299,7 @@ class AdapterFitter:
                  max_memory_bytes: Optional[int] = None, alignment_policy: str = "",
                  min_gain: float = 1e-4, exact_candidates: int = 2,
                  target_key_norm: Any = None, target_token_codes: Any = None,
-                 token_context: int = 2):
+                 token_context: int = 2, token_code_dims: int = 64):
         opts = _core.FitOptions()
         if isinstance(source_layers, str):
             if source_layers not in ("auto", "all"):
@@ -326,6 +328,7 @@ class AdapterFitter:
         if target_key_norm is not None:
             opts.target_key_norm = _args.float_rows("target_key_norm", target_key_norm)
         opts.token_context = _args.size("token_context", token_context)
+        opts.token_code_dims = _args.size("token_code_dims", token_code_dims)
         if target_token_codes is not None:
             opts.set_target_token_codes(_args.float32_matrix("target_token_codes",
                                                              target_token_codes))

@@ -208,33 +208,17 @@ def key_norm(model: Any) -> Optional[torch.Tensor]:
     return torch.stack(gains)
 
 
-#: token_codes' default width.
-TOKEN_CODE_DIMS = 64
-
-
 @torch.no_grad()
-def token_codes(model: Any, dims: int = TOKEN_CODE_DIMS) -> torch.Tensor:
+def token_codes(model: Any) -> torch.Tensor:
     """Codes of the model's vocabulary for AdapterFitter's target_token_codes, float32
-    [vocab, dims]: each token's input embedding scaled to unit RMS (as the first layer's norm
-    sees it, before its gains), centred and projected on the `dims` principal directions of the
-    vocabulary's scaled embeddings, largest first. Deterministic for given weights; a fixed
-    table, so an adapter carries it and a server needs only the token ids."""
-    dims = _args.size("dims", dims)
-    weight = model.get_input_embeddings().weight
-    if dims < 1 or dims > weight.shape[1]:
-        raise InvalidArgumentError(f"token_codes: dims must lie in [1, {weight.shape[1]}] (the "
-                                   f"embedding width), got {dims}")
-    e = weight.detach().float().cpu()
-    e = e / e.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt()
-    e = e - e.mean(0)
-    cov = (e.T @ e).double() / e.shape[0]
-    _, vectors = torch.linalg.eigh(cov)  # ascending
-    basis = vectors[:, -dims:].flip(-1).float()
-    # The sign of each direction is arbitrary: fix it so the codes do not depend on LAPACK.
-    basis = basis * torch.where(basis.sum(0) < 0, -1.0, 1.0)
-    return (e @ basis).contiguous()
+    [vocab, hidden]: each token's input embedding scaled to unit RMS, as the first layer's norm
+    sees it before its gains. The fitter compresses them to the directions its maps use
+    (token_code_dims), so an adapter carries a small fixed table and a server needs only the
+    token ids."""
+    e = model.get_input_embeddings().weight.detach().float().cpu()
+    return (e / e.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt()).contiguous()
 
 
-__all__: List[str] = ["TOKEN_CODE_DIMS", "as_cache", "forward", "full_cache", "is_cache",
-                      "key_norm", "legacy_to_cache", "own_first_layers", "prefix_kv",
-                      "to_dynamic_cache", "token_codes", "to_legacy"]
+__all__: List[str] = ["as_cache", "forward", "full_cache", "is_cache", "key_norm",
+                      "legacy_to_cache", "own_first_layers", "prefix_kv", "to_dynamic_cache",
+                      "token_codes", "to_legacy"]

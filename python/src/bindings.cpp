@@ -797,6 +797,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("exact_candidates", &FitOptions::exact_candidates)
       .def_readwrite("target_key_norm", &FitOptions::target_key_norm)
       .def_readwrite("token_context", &FitOptions::token_context)
+      .def_readwrite("token_code_dims", &FitOptions::token_code_dims)
       // codes: float32 [vocab, dims], copied.
       .def("set_target_token_codes",
            [](FitOptions& o, const py::array_t<float, py::array::c_style | py::array::forcecast>& codes) {

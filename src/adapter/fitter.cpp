@@ -578,50 +578,54 @@ struct AdapterFitter::Impl {
     Eigen::Map<Eigen::VectorXf>(c.bias[kind].data(), bias.size()) = bias.cast<float>();
   }
 
+  // One target layer's token codes' terms (token_terms), per map (0: K, 1: V).
+  struct TokenFit {
+    std::array<MatD, 2> wz, wx;  // [Dz, O] and the corrected source weights [F, O]; empty: none
+    std::array<VecD, 2> bias;
+    std::array<double, 2> ridge = {std::numeric_limits<double>::quiet_NaN(),
+                                   std::numeric_limits<double>::quiet_NaN()};
+    std::array<double, 2> r2_gain = {0, 0};
+  };
+
   // The token codes' terms of target layer j's K and V maps (chosen set S, weights and biases
-  // in c), refitted jointly with the maps at each map's chosen strength: the codes' weights at
-  // each strength of the grid (relative to the codes' mean variance), the one with the least
-  // held-out error kept if it lowers it, and the source weights corrected for it. By blocks
-  // (Frisch-Waugh): with A = C_xx + r_x D² the maps' ridge matrix (D: each slot's sd, as the
-  // maps were fitted) and U = A^-1 C_xz, the codes' weights solve
-  // (C_zz - C_zx U + r_z s I) W_z = C_zr, r the maps' training residual, and the source weights
-  // become W - U W_z; on held-out tokens the prediction moves by W_z^T (z - U^T x) + const.
-  // Sets token_weights[kind] ([Dz, O], empty: none), ridge[kind] (NaN: none) and r2_gain[kind].
-  void token_terms(int64_t j, const std::vector<double>& sd, Choice& c,
-                   std::array<std::vector<float>, 2>& token_weights, std::array<double, 2>& ridge,
-                   std::array<double, 2>& r2_gain) const {
-    const int64_t Dz = token_width(), Fl = layer_features, O = outputs;
+  // in c) from the codes' sums tt (training) and th (held-out), refitted jointly with the maps
+  // at each map's chosen strength: the codes' weights at each strength of the grid (relative to
+  // the codes' mean variance), the one with the least held-out error kept if it lowers it, and
+  // the source weights corrected for it. By blocks (Frisch-Waugh): with A = C_xx + r_x D² the
+  // maps' ridge matrix (D: each slot's sd, as the maps were fitted) and U = A^-1 C_xz, the
+  // codes' weights solve (C_zz - C_zx U + r_z s I) W_z = C_zr, r the maps' training residual,
+  // and the source weights become W - U W_z; on held-out tokens the prediction moves by
+  // W_z^T (z - U^T x) + const.
+  TokenFit token_terms(int64_t j, const std::vector<double>& sd, const Choice& c,
+                       const TokenMoments& tt, const TokenMoments& th) const {
+    const int64_t Dz = tt.sz.size(), Fl = layer_features, O = outputs;
     const int64_t F = static_cast<int64_t>(c.layers.size()) * Fl;
     const size_t jj = static_cast<size_t>(j);
     const double n = static_cast<double>(train.n), nh = static_cast<double>(held.n);
+    TokenFit out;
     SetSums g = gather(c.layers);
-    MatD xz(F, Dz), xzh(F, Dz), xy(F, 2 * O), xyh(F, 2 * O);
+    MatD xz(F, Dz), xzh(F, Dz), xyh(F, 2 * O);
     VecD d2(F);
     const auto& C = plan.candidates[jj];
     for (size_t a = 0; a < c.layers.size(); ++a) {
       const size_t slot = static_cast<size_t>(plan.slot(c.layers[a]));
       const size_t ca = static_cast<size_t>(std::find(C.begin(), C.end(), c.layers[a]) - C.begin());
       const int64_t r = static_cast<int64_t>(a) * Fl;
-      xz.middleRows(r, Fl) = token_train.zx[slot].transpose();
-      xzh.middleRows(r, Fl) = token_held.zx[slot].transpose();
-      xy.middleRows(r, Fl) = train.xy[jj][ca];
+      xz.middleRows(r, Fl) = tt.zx[slot].transpose();
+      xzh.middleRows(r, Fl) = th.zx[slot].transpose();
       xyh.middleRows(r, Fl) = held.xy[jj][ca];
       d2.segment(r, Fl).setConstant(sd[slot] * sd[slot]);
     }
-    const VecD mu_x = g.sx / n, mu_z = token_train.sz / n;
+    const VecD mu_x = g.sx / n, mu_z = tt.sz / n;
     MatD cxx = g.xx / n;
     cxx.noalias() -= mu_x * mu_x.transpose();
     MatD cxz = xz / n;
     cxz.noalias() -= mu_x * mu_z.transpose();
-    MatD czz = token_train.zz / n;
+    MatD czz = tt.zz / n;
     czz.noalias() -= mu_z * mu_z.transpose();
     const double scale = czz.trace() / static_cast<double>(Dz);
-    for (int kind = 0; kind < 2; ++kind) {
-      const size_t k = static_cast<size_t>(kind);
-      token_weights[k].clear();
-      ridge[k] = std::numeric_limits<double>::quiet_NaN();
-      r2_gain[k] = 0;
-      if (!(scale > 0)) continue;
+    if (!(scale > 0)) return out;
+    for (size_t k = 0; k < 2; ++k) {
       MatD a = cxx;
       a.diagonal() += c.fits[k].ridge * d2;
       const Eigen::LLT<MatD> llt(a);
@@ -631,34 +635,31 @@ struct AdapterFitter::Impl {
                                                     Eigen::RowMajor>>(c.weights[k].data(), F, O)
                          .cast<double>();
       const VecD b = Eigen::Map<const Eigen::VectorXf>(c.bias[k].data(), O).cast<double>();
-      const int64_t col = j * 2 * O + kind * O;
+      const int64_t col = j * 2 * O + static_cast<int64_t>(k) * O;
+      const VecD mu_y = train.sy[jj].segment(static_cast<int64_t>(k) * O, O) / n;
       // Training: C_zr, the codes against the maps' residual r = y - W^T x - b.
-      MatD czr = token_train.zy.middleCols(col, O) / n;
-      czr.noalias() -= mu_z * (train.sy[jj].segment(kind * O, O) / n).transpose();
-      MatD xzw = xz.transpose() * W / n;  // sum z x^T W / n, then centred below
-      czr.noalias() -= xzw;
+      MatD czr = tt.zy.middleCols(col, O) / n;
+      czr.noalias() -= mu_z * mu_y.transpose();
+      czr.noalias() -= xz.transpose() * W / n;
       czr.noalias() += mu_z * (W.transpose() * mu_x).transpose();
       MatD s = czz;
       s.noalias() -= cxz.transpose() * U;
       // Held-out: sums of r0 (the maps' residual), zhat = z - U^T x, zhat zhat^T, zhat r0^T.
-      const VecD syh = held.sy[jj].segment(kind * O, O);
-      MatD xr = xyh.middleCols(kind * O, O);  // sum x r0^T
+      const VecD syh = held.sy[jj].segment(static_cast<int64_t>(k) * O, O);
+      MatD xr = xyh.middleCols(static_cast<int64_t>(k) * O, O);  // sum x r0^T
       xr.noalias() -= g.xxh * W;
       xr.noalias() -= g.sxh * b.transpose();
-      MatD zr = token_held.zy.middleCols(col, O);  // sum z r0^T
-      zr.noalias() -= xzh.transpose() * W;
-      zr.noalias() -= token_held.sz * b.transpose();
-      const VecD sr = syh - W.transpose() * g.sxh - nh * b;
-      MatD hr = zr;
+      MatD hr = th.zy.middleCols(col, O);  // sum z r0^T, then zhat r0^T
+      hr.noalias() -= xzh.transpose() * W;
+      hr.noalias() -= th.sz * b.transpose();
       hr.noalias() -= U.transpose() * xr;
-      MatD hh = token_held.zz;
+      const VecD sr = syh - W.transpose() * g.sxh - nh * b;
+      MatD hh = th.zz;
       const MatD uxz = U.transpose() * xzh;
       hh -= uxz + uxz.transpose();
       hh.noalias() += U.transpose() * (g.xxh * U);
-      const VecD sh = token_held.sz - U.transpose() * g.sxh;
-      const VecD mu_y = train.sy[jj].segment(kind * O, O) / n;
+      const VecD sh = th.sz - U.transpose() * g.sxh;
       double best = 0;  // the held-out error's change: a term must lower it
-      MatD best_wz;
       for (double r : options.ridge_grid) {
         MatD m = s;
         m.diagonal().array() += r * scale;
@@ -672,20 +673,61 @@ struct AdapterFitter::Impl {
                               2 * ((wz.cwiseProduct(hr)).sum() + shift.dot(sr));
         if (change < best) {
           best = change;
-          best_wz = wz;
-          ridge[k] = r;
+          out.wz[k] = wz;
+          out.wx[k] = wx;
+          out.bias[k] = shift + b;
+          out.ridge[k] = r;
         }
       }
-      if (best_wz.size() == 0) continue;
-      const MatD wx = W - U * best_wz;
-      const VecD bias = mu_y - wx.transpose() * mu_x - best_wz.transpose() * mu_z;
       const double sst = std::max(held.yy[jj][k] - syh.squaredNorm() / nh, 1e-300);
-      r2_gain[k] = -best / sst;
-      keep_float(c, k, wx, bias);
-      token_weights[k].resize(static_cast<size_t>(Dz * O));
-      Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
-          token_weights[k].data(), Dz, O) = best_wz.cast<float>();
+      out.r2_gain[k] = -best / sst;
     }
+    return out;
+  }
+
+  // The basis [dims, r] the codes are compressed to (FitOptions::token_code_dims): the r
+  // directions of code space that carry most of the full codes' terms `fits` make, by the
+  // codes' training covariance C (of one context slot): with C^(1/2) W_(m,c) the terms of every
+  // map m and slot c in whitened space, the top r eigenvectors B of sum W' W'^T; the basis is
+  // C^(-1/2) B, so the compressed codes have identity covariance.
+  MatD code_basis(const std::vector<TokenFit>& fits, int64_t r) const {
+    const int64_t D = options.target_token_codes.dims, ctx = options.token_context;
+    const double n = static_cast<double>(train.n);
+    const VecD mu = token_train.sz.head(D) / n;
+    MatD cov = token_train.zz.topLeftCorner(D, D) / n;
+    cov.noalias() -= mu * mu.transpose();
+    const Eigen::SelfAdjointEigenSolver<MatD> e(cov);
+    const VecD lambda = e.eigenvalues().cwiseMax(0.0);
+    const double floor = 1e-12 * std::max(lambda.maxCoeff(), 1e-300);
+    VecD root(D), inv_root(D);
+    for (int64_t i = 0; i < D; ++i) {
+      root[i] = std::sqrt(lambda[i]);
+      inv_root[i] = lambda[i] > floor ? 1 / root[i] : 0.0;
+    }
+    const MatD half = e.eigenvectors() * root.asDiagonal() * e.eigenvectors().transpose();
+    MatD spread = MatD::Zero(D, D);
+    for (const TokenFit& f : fits)
+      for (const MatD& wz : f.wz)
+        for (int64_t c = 0; c < ctx && wz.size() > 0; ++c) {
+          const MatD w = half * wz.middleRows(c * D, D);
+          spread.noalias() += w * w.transpose();
+        }
+    const Eigen::SelfAdjointEigenSolver<MatD> top(spread);  // ascending
+    const MatD B = top.eigenvectors().rightCols(r).rowwise().reverse();
+    return e.eigenvectors() * inv_root.asDiagonal() * e.eigenvectors().transpose() * B;
+  }
+
+  // The codes' sums with every slot's codes projected on basis P [dims, r].
+  TokenMoments project(const TokenMoments& t, const MatD& P) const {
+    const int64_t D = P.rows(), r = P.cols(), ctx = options.token_context;
+    MatD P2 = MatD::Zero(ctx * D, ctx * r);
+    for (int64_t c = 0; c < ctx; ++c) P2.block(c * D, c * r, D, r) = P;
+    TokenMoments out;
+    out.sz = P2.transpose() * t.sz;
+    out.zz = P2.transpose() * t.zz * P2;
+    for (const MatD& zx : t.zx) out.zx.push_back(P2.transpose() * zx);
+    out.zy = P2.transpose() * t.zy;
+    return out;
   }
 
   // kAll and kExplicit: each target layer's one set. Every distinct set is factorised once
@@ -1239,6 +1281,8 @@ AdapterFitter::AdapterFitter(const ModelSpec& source, const ModelSpec& target,
   detail::check_key_norm(options.target_key_norm, target, "target_key_norm");
   detail::check_token_codes(options.target_token_codes, options.token_context,
                             "target_token_codes");
+  KVB_CHECK(options.token_code_dims >= 0,
+            "token_code_dims must be >= 0, got " << options.token_code_dims);
   KVB_CHECK(options.holdout > 0 && options.holdout <= 0.5,
             "holdout must be in (0, 0.5], got " << options.holdout);
   KVB_CHECK(!options.ridge_grid.empty(), "ridge_grid must not be empty");
@@ -1635,10 +1679,6 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
   out->report.rope_aware = m.options.rope_aware;
   out->report.alignment_policy = m.options.alignment_policy;
   out->key_norm = m.options.target_key_norm;
-  if (m.token_width() > 0) {
-    out->token_codes = m.options.target_token_codes;
-    out->token_context = m.options.token_context;
-  }
   m.sync_from_device();
   Progress tracker(&progress);
   std::vector<Impl::Choice> chosen;
@@ -1649,15 +1689,58 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
     throw;
   }
   // The token codes' terms of every map, refitted with the chosen maps (target layers in
-  // parallel).
+  // parallel); with codes wider than token_code_dims, fitted at full width first to find the
+  // basis they are compressed to, then again on the compressed codes.
   std::vector<std::array<double, 2>> token_ridge(chosen.size()), token_gain(chosen.size());
   if (m.token_width() > 0) {
-    out->token_weights.resize(chosen.size());
     const std::vector<double> sd = m.slot_sd();
-    detail::parallel_for(static_cast<int64_t>(chosen.size()), [&](int64_t i) {
-      const size_t j = static_cast<size_t>(i);
-      m.token_terms(i, sd, chosen[j], out->token_weights[j], token_ridge[j], token_gain[j]);
-    });
+    std::vector<Impl::TokenFit> fits(chosen.size());
+    const auto fit_terms = [&](const TokenMoments& tt, const TokenMoments& th) {
+      detail::parallel_for(static_cast<int64_t>(chosen.size()), [&](int64_t i) {
+        fits[static_cast<size_t>(i)] = m.token_terms(i, sd, chosen[static_cast<size_t>(i)], tt, th);
+      });
+    };
+    fit_terms(m.token_train, m.token_held);
+    const TokenCodes& codes = m.options.target_token_codes;
+    const int64_t r = m.options.token_code_dims;
+    bool any = false;
+    for (const auto& f : fits) any = any || f.wz[0].size() > 0 || f.wz[1].size() > 0;
+    if (any && r > 0 && r < codes.dims) {
+      const MatD P = m.code_basis(fits, r);
+      fit_terms(m.project(m.token_train, P), m.project(m.token_held, P));
+      out->token_codes.vocab = codes.vocab;
+      out->token_codes.dims = r;
+      out->token_codes.values.resize(static_cast<size_t>(codes.vocab * r));
+      Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+          out->token_codes.values.data(), codes.vocab, r) =
+          (Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+               codes.values.data(), codes.vocab, codes.dims)
+               .cast<double>() *
+           P)
+              .cast<float>();
+    } else {
+      out->token_codes = codes;
+    }
+    any = false;
+    for (const auto& f : fits) any = any || f.wz[0].size() > 0 || f.wz[1].size() > 0;
+    if (any) {
+      out->token_context = m.options.token_context;
+      out->token_weights.resize(chosen.size());
+      for (size_t j = 0; j < chosen.size(); ++j)
+        for (size_t k = 0; k < 2; ++k) {
+          const Impl::TokenFit& f = fits[j];
+          token_ridge[j][k] = f.ridge[k];
+          if (f.wz[k].size() == 0) continue;
+          token_gain[j][k] = f.r2_gain[k];
+          Impl::keep_float(chosen[j], k, f.wx[k], f.bias[k]);
+          auto& w = out->token_weights[j][k];
+          w.resize(static_cast<size_t>(f.wz[k].size()));
+          Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+              w.data(), f.wz[k].rows(), f.wz[k].cols()) = f.wz[k].cast<float>();
+        }
+    } else {
+      out->token_codes = TokenCodes();  // no map takes them: an adapter without codes
+    }
   }
   for (size_t j = 0; j < chosen.size(); ++j) {
     Impl::Choice& c = chosen[j];
@@ -1668,7 +1751,7 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
     lf.r2_value = c.fits[1].r2 + token_gain[j][1];
     lf.ridge_key = c.fits[0].ridge;
     lf.ridge_value = c.fits[1].ridge;
-    if (m.token_width() > 0) {
+    if (out->token_context > 0) {
       lf.token_ridge_key = token_ridge[j][0];
       lf.token_ridge_value = token_ridge[j][1];
     }

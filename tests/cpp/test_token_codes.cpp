@@ -171,6 +171,63 @@ TEST(TokenCodes, FitRecoversThePlantedTermAndConvertReproducesIt) {
   EXPECT_LT(without.report().layers[0].r2_key, adapter.report().layers[0].r2_key - 0.1);
 }
 
+// Wide codes whose planted terms all lie in a 2-dimensional subspace of code space, the same
+// for every map and context slot: compressed to 2 dimensions they lose nothing, to 1 they do.
+TEST(TokenCodes, CompressionKeepsTheDirectionsTheTermsUse) {
+  Planted p;
+  p.codes = random_codes(41, 12, 4);
+  std::mt19937 rng(5);
+  std::normal_distribution<double> dist;
+  std::vector<double> q(12 * 2);
+  for (double& v : q) v = dist(rng);
+  const int64_t O = 8;
+  for (auto& maps : p.wz)
+    for (auto& wz : maps) {
+      wz.assign(static_cast<size_t>(2 * 12 * O), 0.0);
+      for (int64_t c = 0; c < 2; ++c)
+        for (int64_t a = 0; a < 2; ++a) {
+          std::vector<double> v(static_cast<size_t>(O));
+          for (double& x : v) x = dist(rng);
+          for (int64_t e = 0; e < 12; ++e)
+            for (int64_t o = 0; o < O; ++o)
+              wz[static_cast<size_t>((c * 12 + e) * O + o)] += q[e * 2 + a] * v[o];
+        }
+    }
+  FitOptions o = p.options();
+  o.token_code_dims = 2;
+  const LinearAdapter two = p.fit(o);
+  ASSERT_EQ(two.token_codes().dims, 2);
+  ASSERT_EQ(two.token_codes().vocab, 41);
+  EXPECT_EQ(two.token_weights(1, 0).size(), static_cast<size_t>(2 * 2 * O));
+  o.token_code_dims = 1;
+  const LinearAdapter one = p.fit(o);
+  ASSERT_EQ(one.token_codes().dims, 1);
+  o.token_code_dims = 0;
+  const LinearAdapter full = p.fit(o);
+  ASSERT_EQ(full.token_codes().dims, 12);
+  for (int64_t j = 0; j < p.target.num_layers; ++j) {
+    const LayerFit &a = two.report().layers[static_cast<size_t>(j)],
+                   &b = full.report().layers[static_cast<size_t>(j)],
+                   &c = one.report().layers[static_cast<size_t>(j)];
+    EXPECT_GT(a.r2_key, 0.99) << j;
+    EXPECT_NEAR(a.r2_key, b.r2_key, 1e-3) << j;
+    EXPECT_NEAR(a.r2_value, b.r2_value, 1e-3) << j;
+    EXPECT_LT(c.r2_key, a.r2_key - 0.01) << j;
+  }
+  // Converting with the compressed codes gives what the full ones give.
+  std::vector<float> src, tgt, x(static_cast<size_t>(p.target.num_layers * 2 * 60 * O)), y(x.size());
+  std::vector<int64_t> ids, previous;
+  p.sample(60, 0, 77, src, tgt, ids, previous);
+  two.convert(p.view(src, p.source, 60), 0, p.view(x, p.target, 60), TargetTokens{TokenSpan(ids), {}});
+  full.convert(p.view(src, p.source, 60), 0, p.view(y, p.target, 60), TargetTokens{TokenSpan(ids), {}});
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    err += std::pow(static_cast<double>(x[i]) - y[i], 2);
+    norm += std::pow(static_cast<double>(y[i]), 2);
+  }
+  EXPECT_LT(std::sqrt(err / norm), 1e-2);
+}
+
 // Data where the codes explain part of random targets, in a dtype (the fast path's tolerance
 // against the float64 reference depends on it).
 LinearAdapter fit_on_codes(const ModelSpec& source, const ModelSpec& target,

@@ -16,8 +16,9 @@ RoPE-aware, ``source_layers`` as given (default "auto", the fitter's default), t
 paired with source token a(j) of the alignment policy (default kvbridge's), the start tokens
 paired by role; for a target with a key norm (QK-norm, as Gemma 3 has) its gains
 (kvbridge.hf.key_norm), so the adapter keeps converted keys on the target's norm; and the target's
-token codes (kvbridge.hf.token_codes, ``token_codes`` dims; 0 for none), so each map also takes
-which target tokens a position and the one before it hold (the alignment loses that).
+token codes (kvbridge.hf.token_codes, compressed by the fitter to ``token_codes`` dims; 0 for
+none), so each map also takes which target tokens a position and the one before it hold (the
+alignment loses that).
 
 Metrics (DESIGN.md). A held-out window is cut at byte ``(1 - share) * n``: the target's tokens
 from there on are the continuation, the ones before it the prompt. As on the Bridge path the
@@ -80,7 +81,7 @@ class RealConfig:
     ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
     ttft_repeats: int = 3
     converted_start: bool = False      # ablation: the start token's KV converted too
-    token_codes: int = hf.TOKEN_CODE_DIMS  # width of the target's token codes; 0: none
+    token_codes: int = 64              # width of the target's token codes; 0: none
     seed: int = 0
 
 
@@ -119,10 +120,10 @@ def fitter_options(pair: Pair, config: RealConfig) -> Dict[str, Any]:
     if layers not in ("auto", "all"):
         layers = nearest_layers(pair.source.spec.num_layers, pair.target.spec.num_layers,
                                 int(layers))
-    codes = hf.token_codes(pair.target.model, config.token_codes) if config.token_codes else None
+    codes = hf.token_codes(pair.target.model) if config.token_codes else None
     return {"rope_aware": True, "source_layers": layers, "alignment_policy": config.policy,
             "seed": config.seed, "target_key_norm": hf.key_norm(pair.target.model),
-            "target_token_codes": codes}
+            "target_token_codes": codes, "token_code_dims": config.token_codes}
 
 
 def encode(model: models.LoadedModel, text: str) -> eval_cross.Encoded:
@@ -418,8 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ablation: score the conversion of the start token too (the Bridge "
                    "serves the target's own)")
     p.add_argument("--token-codes", type=at_least(0), default=d.token_codes, metavar="DIMS",
-                   help="width of the target's token codes the fit takes besides the source's "
-                   "KV (kvbridge.hf.token_codes); 0: none, the source's KV alone")
+                   help="width the target's token codes (kvbridge.hf.token_codes), which the fit "
+                   "takes besides the source's KV, are compressed to; 0: none, the source's KV "
+                   "alone")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--threads", type=at_least(0), default=0,
                    help="torch (and kvbridge OpenMP) threads; 0 keeps torch's default")
