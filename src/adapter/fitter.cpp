@@ -364,7 +364,7 @@ struct ProbeMoments {
 // slot's features and against every target output. Its count is the split's BlockMoments::n.
 struct TokenMoments {
   VecD sz;               // [Dz]
-  MatD zz;               // [Dz, Dz]
+  MatD zz;               // [Dz, Dz], upper triangle only
   std::vector<MatD> zx;  // [slot] -> [Dz, Fl]
   MatD zy;               // [Dz, Lt * 2 * O]
 
@@ -621,7 +621,7 @@ struct AdapterFitter::Impl {
     cxx.noalias() -= mu_x * mu_x.transpose();
     MatD cxz = xz / n;
     cxz.noalias() -= mu_x * mu_z.transpose();
-    MatD czz = tt.zz / n;
+    MatD czz = symmetric_from_upper(tt.zz) / n;  // sums keep the upper triangle
     czz.noalias() -= mu_z * mu_z.transpose();
     const double scale = czz.trace() / static_cast<double>(Dz);
     if (!(scale > 0)) return out;
@@ -654,11 +654,13 @@ struct AdapterFitter::Impl {
       hr.noalias() -= th.sz * b.transpose();
       hr.noalias() -= U.transpose() * xr;
       const VecD sr = syh - W.transpose() * g.sxh - nh * b;
-      MatD hh = th.zz;
+      MatD hh = symmetric_from_upper(th.zz);
       const MatD uxz = U.transpose() * xzh;
       hh -= uxz + uxz.transpose();
       hh.noalias() += U.transpose() * (g.xxh * U);
       const VecD sh = th.sz - U.transpose() * g.sxh;
+      const VecD base = mu_y - W.transpose() * mu_x - b;  // the bias's move without a term
+      const VecD u_mu = U.transpose() * mu_x - mu_z;
       double best = 0;  // the held-out error's change: a term must lower it
       for (double r : options.ridge_grid) {
         MatD m = s;
@@ -666,19 +668,19 @@ struct AdapterFitter::Impl {
         const Eigen::LLT<MatD> f(m);
         if (f.info() != Eigen::Success) continue;
         const MatD wz = f.solve(czr);  // [Dz, O]
-        const MatD wx = W - U * wz;
-        const VecD shift = mu_y - wx.transpose() * mu_x - wz.transpose() * mu_z - b;
+        // The new bias minus b: mu_y - (W - U wz)^T mu_x - wz^T mu_z - b.
+        const VecD shift = base + wz.transpose() * u_mu;
         const double change = (wz.cwiseProduct(hh * wz)).sum() + 2 * shift.dot(wz.transpose() * sh) +
                               nh * shift.squaredNorm() -
                               2 * ((wz.cwiseProduct(hr)).sum() + shift.dot(sr));
         if (change < best) {
           best = change;
           out.wz[k] = wz;
-          out.wx[k] = wx;
           out.bias[k] = shift + b;
           out.ridge[k] = r;
         }
       }
+      if (out.wz[k].size() > 0) out.wx[k] = W - U * out.wz[k];
       const double sst = std::max(held.yy[jj][k] - syh.squaredNorm() / nh, 1e-300);
       out.r2_gain[k] = -best / sst;
     }
@@ -694,7 +696,7 @@ struct AdapterFitter::Impl {
     const int64_t D = options.target_token_codes.dims, ctx = options.token_context;
     const double n = static_cast<double>(train.n);
     const VecD mu = token_train.sz.head(D) / n;
-    MatD cov = token_train.zz.topLeftCorner(D, D) / n;
+    MatD cov = symmetric_from_upper(token_train.zz).topLeftCorner(D, D) / n;
     cov.noalias() -= mu * mu.transpose();
     const Eigen::SelfAdjointEigenSolver<MatD> e(cov);
     const VecD lambda = e.eigenvalues().cwiseMax(0.0);
@@ -724,7 +726,7 @@ struct AdapterFitter::Impl {
     for (int64_t c = 0; c < ctx; ++c) P2.block(c * D, c * r, D, r) = P;
     TokenMoments out;
     out.sz = P2.transpose() * t.sz;
-    out.zz = P2.transpose() * t.zz * P2;
+    out.zz = P2.transpose() * symmetric_from_upper(t.zz) * P2;
     for (const MatD& zx : t.zx) out.zx.push_back(P2.transpose() * zx);
     out.zy = P2.transpose() * t.zy;
     return out;
@@ -1593,14 +1595,22 @@ void AdapterFitter::add_impl(const KVView& src, const KVView& tgt, int64_t start
     }
     BlockMoments& acc = part ? m.held : m.train;
     acc.n += rows;
-    if (Dz > 0) {
+    if (Dz > 0) {  // on the host, as BLAS products (independent ones in parallel)
       TokenMoments& tm = part ? m.token_held : m.token_train;
-      const auto Zs = Zc.middleRows(first, rows);
-      tm.sz += Zs.colwise().sum().transpose();
-      tm.zz.noalias() += Zs.transpose() * Zs;
-      tm.zy.noalias() += Zs.transpose() * Ys;
-      for (size_t s = 0; s < layers.size(); ++s)
-        tm.zx[s].noalias() += Zs.transpose() * Xs.middleCols(static_cast<int64_t>(s) * Fl, Fl);
+      tm.sz += Zc.middleRows(first, rows).colwise().sum().transpose();
+      const double* z = Zc.data() + first * Dz;
+      const int64_t S = static_cast<int64_t>(layers.size());
+      detail::parallel_for(S + 2, [&](int64_t i) {
+        if (i < S)
+          detail::lapack::gemm(true, false, Dz, Fl, rows, 1, z, Dz,
+                               X.data() + first * X.cols() + i * Fl, X.cols(), 1,
+                               tm.zx[static_cast<size_t>(i)].data(), Fl);
+        else if (i == S)
+          detail::lapack::gemm(true, false, Dz, Y.cols(), rows, 1, z, Dz,
+                               Y.data() + first * Y.cols(), Y.cols(), 1, tm.zy.data(), Y.cols());
+        else
+          detail::lapack::syrk_upper(true, Dz, rows, 1, z, Dz, 1, tm.zz.data(), Dz);
+      });
     }
     for (size_t s = 0; s < layers.size(); ++s)
       acc.sx[s] += Xs.middleCols(static_cast<int64_t>(s) * Fl, Fl).colwise().sum().transpose();
