@@ -413,8 +413,8 @@ def test_readme_names_every_connector_counter_and_timer():
 
 def test_key_norm_and_cross_tokenizer_adapters_load_on_the_host():
     """device_load.loads_on_host: an adapter to the spec from another tokenizer, or one keeping
-    the target's key norm (which the CUDA convert does not apply), sends its loads through
-    Bridge.load; a plain same-tokenizer adapter does not."""
+    the target's key norm or taking its token codes (which the CUDA convert does not apply),
+    sends its loads through Bridge.load; a plain same-tokenizer adapter does not."""
     from kvbridge.vllm import device_load
     tgt = kvbridge.ModelSpec("kn-tgt", 2, 1, 4, rope_base=10000.0, tokenizer="tok-a")
     g = torch.Generator().manual_seed(4)
@@ -434,4 +434,18 @@ def test_key_norm_and_cross_tokenizer_adapters_load_on_the_host():
     bridge.add_adapter(adapter("kn-plain"))
     assert not device_load.loads_on_host(bridge, tgt)
     bridge.add_adapter(adapter("kn-normed", target_key_norm=torch.rand(2, 4, generator=g) + 0.5))
+    assert device_load.loads_on_host(bridge, tgt)
+
+    # One taking the target's token codes (the CUDA convert does not add them either).
+    codes = torch.randn(10, 2, generator=g)
+    ids = torch.randint(10, (64,), generator=g).tolist()
+    src = kvbridge.ModelSpec("kn-codes", 2, 2, 8, rope_base=10000.0, tokenizer="tok-a")
+    fitter = kvbridge.AdapterFitter(src, tgt, source_layers="all", target_token_codes=codes)
+    shift = codes[ids].sum(-1).reshape(1, 1, 64, 1) * 3  # targets that depend on the ids
+    fitter.add(kv(src), tuple((k + shift, v - shift) for k, v in kv(tgt)), target_ids=ids)
+    with_codes = fitter.fit()
+    assert with_codes.has_token_codes
+    bridge = kvbridge.Bridge(kvbridge.KVStore(capacity_bytes=1 << 20, chunk_tokens=4))
+    bridge.add_adapter(adapter("kn-plain"))
+    bridge.add_adapter(with_codes)
     assert device_load.loads_on_host(bridge, tgt)
