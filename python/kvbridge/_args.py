@@ -84,30 +84,27 @@ def int_list(name: str, value: Any) -> list:
     return arr.astype(np.int64).tolist()
 
 
-def float32_matrix(name: str, value: Any) -> np.ndarray:
-    """A 2-D array of real numbers (a tensor, an array or nested sequences) as a C-contiguous
-    float32 array; the core checks that each is finite."""
+def _matrix(name: str, value: Any, dtype: Any) -> np.ndarray:
+    """A 2-D array of real numbers (a tensor, an array or nested sequences) in `dtype`; the core
+    checks the shape it needs and that each is finite."""
     if hasattr(value, "detach"):  # a torch tensor, on any device
-        value = value.detach().cpu().float().numpy()
+        value = value.detach().cpu().float().numpy()  # bfloat16 has no numpy dtype
     arr = np.asarray(value)
     if arr.dtype.kind not in "iuf":
         raise TypeError(f"{name}: expected a 2-D array of numbers, got dtype {arr.dtype}")
     if arr.ndim != 2:
         raise _core.InvalidArgumentError(f"{name}: expected a 2-D array, got shape {arr.shape}")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def float32_matrix(name: str, value: Any) -> np.ndarray:
+    """_matrix as a C-contiguous float32 array (large tables pass to the core without a list)."""
+    return _matrix(name, value, np.float32)
 
 
 def float_rows(name: str, value: Any) -> list:
-    """A 2-D array of real numbers (a tensor, an array or nested sequences), as lists of floats;
-    the core checks the shape it needs and that each is finite."""
-    if hasattr(value, "detach"):  # a torch tensor, on any device
-        value = value.detach().cpu().double().numpy()
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iuf":
-        raise TypeError(f"{name}: expected a 2-D array of numbers, got dtype {arr.dtype}")
-    if arr.ndim != 2:
-        raise _core.InvalidArgumentError(f"{name}: expected a 2-D array, got shape {arr.shape}")
-    return arr.astype(np.float64).tolist()
+    """_matrix as lists of floats."""
+    return _matrix(name, value, np.float64).tolist()
 
 
 def option(name: str, default: Any, value: Any) -> Any:
