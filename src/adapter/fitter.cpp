@@ -1705,31 +1705,55 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
   if (m.token_width() > 0) {
     const std::vector<double> sd = m.slot_sd();
     std::vector<Impl::TokenFit> fits(chosen.size());
-    const auto fit_terms = [&](const TokenMoments& tt, const TokenMoments& th) {
-      detail::parallel_for(static_cast<int64_t>(chosen.size()), [&](int64_t i) {
-        fits[static_cast<size_t>(i)] = m.token_terms(i, sd, chosen[static_cast<size_t>(i)], tt, th);
-      });
-    };
-    fit_terms(m.token_train, m.token_held);
     const TokenCodes& codes = m.options.target_token_codes;
     const int64_t r = m.options.token_code_dims;
+    // Work of one target layer's terms at Dz code features (1e9 flops, an estimate as above).
+    const auto work = [&](size_t j, int64_t Dz) {
+      const double F = static_cast<double>(chosen[j].layers.size() * m.layer_features);
+      const double D = static_cast<double>(Dz), O = static_cast<double>(m.outputs);
+      const double grid = static_cast<double>(m.options.ridge_grid.size());
+      return 2e-9 * (F * F * F / 3 + F * F * (3 * D + O) + 2 * F * D * D +
+                     grid * (D * D * D / 3 + 3 * D * D * O));
+    };
+    const bool compress = r > 0 && r < codes.dims;
+    for (size_t j = 0; j < chosen.size(); ++j)
+      tracker.plan(work(j, m.token_width()) +
+                   (compress ? work(j, r * m.options.token_context) : 0.0));
+    const auto fit_terms = [&](const TokenMoments& tt, const TokenMoments& th) {
+      detail::parallel_for(static_cast<int64_t>(chosen.size()), [&](int64_t i) {
+        const size_t j = static_cast<size_t>(i);
+        tracker.check();
+        fits[j] = m.token_terms(i, sd, chosen[j], tt, th);
+        tracker.step(work(j, tt.sz.size()), 0, i, static_cast<int64_t>(chosen[j].layers.size()));
+      });
+    };
     bool any = false;
-    for (const auto& f : fits) any = any || f.wz[0].size() > 0 || f.wz[1].size() > 0;
-    if (any && r > 0 && r < codes.dims) {
-      const MatD P = m.code_basis(fits, r);
-      fit_terms(m.project(m.token_train, P), m.project(m.token_held, P));
-      out->token_codes.vocab = codes.vocab;
-      out->token_codes.dims = r;
-      out->token_codes.values.resize(static_cast<size_t>(codes.vocab * r));
-      Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
-          out->token_codes.values.data(), codes.vocab, r) =
-          (Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
-               codes.values.data(), codes.vocab, codes.dims)
-               .cast<double>() *
-           P)
-              .cast<float>();
-    } else {
-      out->token_codes = codes;
+    try {  // a progress callback that throws stops the work (as in select)
+      fit_terms(m.token_train, m.token_held);
+      for (const auto& f : fits) any = any || f.wz[0].size() > 0 || f.wz[1].size() > 0;
+      if (!any && compress) {  // nothing to compress: the second round's work is not done
+        double planned = 0;
+        for (size_t j = 0; j < chosen.size(); ++j) planned += work(j, r * m.options.token_context);
+        tracker.step(0, planned, -1, 0);
+      }
+      if (any && compress) {
+        const MatD P = m.code_basis(fits, r);
+        fit_terms(m.project(m.token_train, P), m.project(m.token_held, P));
+        using RowMatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+        out->token_codes.vocab = codes.vocab;
+        out->token_codes.dims = r;
+        out->token_codes.values.resize(static_cast<size_t>(codes.vocab * r));
+        Eigen::Map<RowMatF>(out->token_codes.values.data(), codes.vocab, r) =
+            (Eigen::Map<const RowMatF>(codes.values.data(), codes.vocab, codes.dims)
+                 .cast<double>() *
+             P)
+                .cast<float>();
+      } else {
+        out->token_codes = codes;
+      }
+    } catch (...) {
+      tracker.rethrow();
+      throw;
     }
     any = false;
     for (const auto& f : fits) any = any || f.wz[0].size() > 0 || f.wz[1].size() > 0;
