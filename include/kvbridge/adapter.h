@@ -39,7 +39,7 @@ struct TokenCodes {
 };
 
 /// The target's ids of the tokens a convert writes (or a fitter sample holds), for adapters with
-/// token codes (LinearAdapter::has_token_codes). Non-owning.
+/// token codes (LinearAdapter::has_token_codes).
 struct TargetTokens {
   TokenSpan ids;  ///< one id per target token of the call, in order (not owned)
   /// The ids of the tokens just before ids[0], nearest last (previous.back() is the token at
@@ -111,7 +111,8 @@ struct FitOptions {
   /// held-out), U and Fl as in AdapterFitter; fit() takes, per target layer in progress, about
   /// six float64 matrices of its set's size (|S_j| Fl)², and O((|S_j| Fl)³) time per map.
   TokenCodes target_token_codes;
-  int64_t token_context = 2;  ///< tokens whose codes feed each target token: it and the ones before, in [1, 8]
+  /// Tokens whose codes feed each target token: it and the ones before it, in [1, 8].
+  int64_t token_context = 2;
   /// Width the adapter's codes are compressed to (above); 0 keeps them as given.
   int64_t token_code_dims = 64;
 };
