@@ -230,8 +230,9 @@ Converted Bridge::Impl::convert(const LoadRequest& req, NativePrefix& native, Ca
   // The target's ids of the converted tokens and the few before them (adapters with token codes
   // take them; others ignore them).
   TargetTokens ids;
-  ids.ids = req.tokens.data ? TokenSpan(req.tokens.data + native_len, static_cast<size_t>(missing))
-                            : TokenSpan(req.tokens.data32 + native_len, static_cast<size_t>(missing));
+  const auto count = static_cast<size_t>(missing);
+  ids.ids = req.tokens.data ? TokenSpan(req.tokens.data + native_len, count)
+                            : TokenSpan(req.tokens.data32 + native_len, count);
   for (int64_t t = std::max<int64_t>(0, native_len - adapter.token_context()); t < native_len; ++t)
     ids.previous.push_back(req.tokens.data ? req.tokens.data[t]
                                            : static_cast<int64_t>(req.tokens.data32[t]));
