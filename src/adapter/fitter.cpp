@@ -625,12 +625,27 @@ struct AdapterFitter::Impl {
     czz.noalias() -= mu_z * mu_z.transpose();
     const double scale = czz.trace() / static_cast<double>(Dz);
     if (!(scale > 0)) return out;
+    namespace la = detail::lapack;
+    // The products below are BLAS-3 calls: F reaches thousands (4,096 source features into
+    // SmolLM2), and each target layer's terms run on one thread of the parallel loop.
+    const auto product = [](bool trans, const MatD& x, const MatD& y, double alpha, double beta,
+                            MatD& z) {  // z = alpha op(x) y + beta z
+      const int64_t rows = trans ? x.cols() : x.rows(), inner = trans ? x.rows() : x.cols();
+      if (beta == 0) z.resize(rows, y.cols());
+      la::gemm(trans, false, rows, y.cols(), inner, alpha, x.data(), x.cols(), y.data(), y.cols(),
+               beta, z.data(), z.cols());
+    };
     for (size_t k = 0; k < 2; ++k) {
-      MatD a = cxx;
-      a.diagonal() += c.fits[k].ridge * d2;
-      const Eigen::LLT<MatD> llt(a);
-      if (llt.info() != Eigen::Success) continue;  // not positive definite in float64: no term
-      const MatD U = llt.solve(cxz);  // [F, Dz]
+      MatD L = cxx;  // A, then its Cholesky factor
+      L.diagonal() += c.fits[k].ridge * d2;
+      if (!la::potrf_lower(F, L.data(), F)) continue;  // not positive definite in float64: no term
+      MatD U = cxz;  // L^-1 C_xz, then U = A^-1 C_xz [F, Dz]
+      la::trsm_lower(false, F, Dz, L.data(), F, U.data(), Dz);
+      MatD s = czz;  // C_zz - C_zx A^-1 C_xz = C_zz - (L^-1 C_xz)^T (L^-1 C_xz)
+      la::syrk_upper(true, Dz, F, -1, U.data(), Dz, 1, s.data(), Dz);
+      s = symmetric_from_upper(s);
+      la::trsm_lower(true, F, Dz, L.data(), F, U.data(), Dz);
+      L = MatD();
       const MatD W = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic,
                                                     Eigen::RowMajor>>(c.weights[k].data(), F, O)
                          .cast<double>();
@@ -640,37 +655,40 @@ struct AdapterFitter::Impl {
       // Training: C_zr, the codes against the maps' residual r = y - W^T x - b.
       MatD czr = tt.zy.middleCols(col, O) / n;
       czr.noalias() -= mu_z * mu_y.transpose();
-      czr.noalias() -= xz.transpose() * W / n;
+      product(true, xz, W, -1 / n, 1, czr);
       czr.noalias() += mu_z * (W.transpose() * mu_x).transpose();
-      MatD s = czz;
-      s.noalias() -= cxz.transpose() * U;
       // Held-out: sums of r0 (the maps' residual), zhat = z - U^T x, zhat zhat^T, zhat r0^T.
       const VecD syh = held.sy[jj].segment(static_cast<int64_t>(k) * O, O);
       MatD xr = xyh.middleCols(static_cast<int64_t>(k) * O, O);  // sum x r0^T
-      xr.noalias() -= g.xxh * W;
+      product(false, g.xxh, W, -1, 1, xr);
       xr.noalias() -= g.sxh * b.transpose();
       MatD hr = th.zy.middleCols(col, O);  // sum z r0^T, then zhat r0^T
-      hr.noalias() -= xzh.transpose() * W;
+      product(true, xzh, W, -1, 1, hr);
       hr.noalias() -= th.sz * b.transpose();
-      hr.noalias() -= U.transpose() * xr;
+      product(true, U, xr, -1, 1, hr);
       const VecD sr = syh - W.transpose() * g.sxh - nh * b;
       MatD hh = symmetric_from_upper(th.zz);
-      const MatD uxz = U.transpose() * xzh;
+      MatD uxz, xu;
+      product(true, U, xzh, 1, 0, uxz);
       hh -= uxz + uxz.transpose();
-      hh.noalias() += U.transpose() * (g.xxh * U);
+      product(false, g.xxh, U, 1, 0, xu);
+      product(true, U, xu, 1, 1, hh);
       const VecD sh = th.sz - U.transpose() * g.sxh;
       const VecD base = mu_y - W.transpose() * mu_x - b;  // the bias's move without a term
       const VecD u_mu = U.transpose() * mu_x - mu_z;
       double best = 0;  // the held-out error's change: a term must lower it
+      MatD f, wz, hw;
       for (double r : options.ridge_grid) {
-        MatD m = s;
-        m.diagonal().array() += r * scale;
-        const Eigen::LLT<MatD> f(m);
-        if (f.info() != Eigen::Success) continue;
-        const MatD wz = f.solve(czr);  // [Dz, O]
+        f = s;
+        f.diagonal().array() += r * scale;
+        if (!la::potrf_lower(Dz, f.data(), Dz)) continue;
+        wz = czr;  // [Dz, O]
+        la::trsm_lower(false, Dz, O, f.data(), Dz, wz.data(), O);
+        la::trsm_lower(true, Dz, O, f.data(), Dz, wz.data(), O);
+        product(false, hh, wz, 1, 0, hw);
         // The new bias minus b: mu_y - (W - U wz)^T mu_x - wz^T mu_z - b.
         const VecD shift = base + wz.transpose() * u_mu;
-        const double change = (wz.cwiseProduct(hh * wz)).sum() + 2 * shift.dot(wz.transpose() * sh) +
+        const double change = (wz.cwiseProduct(hw)).sum() + 2 * shift.dot(wz.transpose() * sh) +
                               nh * shift.squaredNorm() -
                               2 * ((wz.cwiseProduct(hr)).sum() + shift.dot(sr));
         if (change < best) {
@@ -680,7 +698,10 @@ struct AdapterFitter::Impl {
           out.ridge[k] = r;
         }
       }
-      if (out.wz[k].size() > 0) out.wx[k] = W - U * out.wz[k];
+      if (out.wz[k].size() > 0) {
+        out.wx[k] = W;
+        product(false, U, out.wz[k], -1, 1, out.wx[k]);
+      }
       const double sst = std::max(held.yy[jj][k] - syh.squaredNorm() / nh, 1e-300);
       out.r2_gain[k] = -best / sst;
     }
