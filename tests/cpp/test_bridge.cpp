@@ -197,6 +197,18 @@ class BridgeTest : public ::testing::Test {
     return o;
   }
 
+  // Saves src (randomized) as the source's cache of `tokens` and tgt's first 20 tokens
+  // (randomized) as the target's own, of which the store keeps 16 (whole chunks): the setup of a
+  // converted load that extends a native prefix.
+  void save_source_and_native_head(Bridge& bridge, const std::vector<int64_t>& tokens,
+                                   FloatKV& src, FloatKV& tgt) const {
+    src.randomize(14);
+    tgt.randomize(15);
+    bridge.save(*src_, tokens, src.view());
+    const std::vector<int64_t> head(tokens.begin(), tokens.begin() + 20);
+    bridge.save(*tgt_, head, tgt.view().slice_tokens(0, 20));
+  }
+
   static ModelSpec *src_, *src2_, *tgt_;
   static std::shared_ptr<const LinearAdapter> *good_, *good2_, *bad_;
 };
@@ -301,11 +313,7 @@ TEST_F(BridgeTest, LongerConvertedPrefixExtendsNativeOne) {
   bridge.add_adapter(*good_);
   const auto tokens = testing::random_tokens(61, 9);
   FloatKV src(*src_, 61, 2), tgt(*tgt_, 61);
-  src.randomize(14);
-  tgt.randomize(15);
-  bridge.save(*src_, tokens, src.view());
-  const std::vector<int64_t> head(tokens.begin(), tokens.begin() + 20);
-  bridge.save(*tgt_, head, tgt.view().slice_tokens(0, 20));  // caches 16 tokens
+  save_source_and_native_head(bridge, tokens, src, tgt);
 
   const Load load = bridge.load(*tgt_, tokens);
   ASSERT_TRUE(load.converted());
@@ -358,11 +366,7 @@ TEST_F(BridgeTest, TokenCodesGetTheTargetsIds) {
   Bridge bridge(store, bo);
   bridge.add_adapter(adapter);
   FloatKV src(*src_, 61, 2), tgt(*tgt_, 61);
-  src.randomize(14);
-  tgt.randomize(15);
-  bridge.save(*src_, tokens, src.view());
-  const std::vector<int64_t> head(tokens.begin(), tokens.begin() + 20);
-  bridge.save(*tgt_, head, tgt.view().slice_tokens(0, 20));  // caches 16 tokens
+  save_source_and_native_head(bridge, tokens, src, tgt);
   const Load load = bridge.load(*tgt_, tokens);
   ASSERT_TRUE(load.converted());
   EXPECT_EQ(load.native_tokens(), 16);
