@@ -113,8 +113,9 @@ struct FitOptions {
   TokenCodes target_token_codes;
   /// Tokens whose codes feed each target token: it and the ones before it, in [1, 8].
   int64_t token_context = 2;
-  /// Width the adapter's codes are compressed to (above); 0 keeps them as given.
-  int64_t token_code_dims = 64;
+  /// Width the adapter's codes are compressed to (above); 0 keeps them as given. 128: on the real
+  /// pair 64 kept 0.006-0.017 less of the context (benchmarks/recorded/250-wider-codes.md).
+  int64_t token_code_dims = 128;
 };
 
 /// One step of kAuto's selection for one target layer: a candidate source layer fitted exactly

@@ -284,7 +284,7 @@ class AdapterFitter:
     token_context: tokens whose codes feed each target token, in [1, 8] (default 2: it and the
         one before).
     token_code_dims: codes wider than this are compressed to the directions that carry most of
-        the maps' codes terms (FitOptions::token_code_dims; default 64); 0 keeps them.
+        the maps' codes terms (FitOptions::token_code_dims; default 128); 0 keeps them.
     max_memory_bytes: bound on the float64 accumulators (default 8 GiB). When "auto" over all
         source layers would exceed it, the fitter takes two passes over the samples: a probe pass
         that ranks source layers per target layer, then `next_pass()` and the same samples again
@@ -299,7 +299,7 @@ class AdapterFitter:
                  max_memory_bytes: Optional[int] = None, alignment_policy: str = "",
                  min_gain: float = 1e-4, exact_candidates: int = 2,
                  target_key_norm: Any = None, target_token_codes: Any = None,
-                 token_context: int = 2, token_code_dims: int = 64):
+                 token_context: int = 2, token_code_dims: int = 128):
         opts = _core.FitOptions()
         if isinstance(source_layers, str):
             if source_layers not in ("auto", "all"):

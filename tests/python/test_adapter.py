@@ -1,4 +1,5 @@
 """Adapters through the Python API: planted maps through RoPE, convert vs the float64 path."""
+import inspect
 import math
 import os
 import subprocess
@@ -550,6 +551,20 @@ def codes_sample(weights, codes, wz, tokens, start_pos, seed, previous=()):
         out.append(((k.double() + rope(dk, 50000.0, start_pos, "interleaved")).float(),
                     (v.double() + dv).float()))
     return src, tuple(out), ids
+
+
+def test_fitter_keyword_defaults_are_the_native_ones():
+    """AdapterFitter's keyword defaults are FitOptions' (include/kvbridge/adapter.h): the list is
+    written in both languages, and this keeps the two from drifting apart."""
+    native = kvbridge._core.FitOptions()
+    params = inspect.signature(kvbridge.AdapterFitter.__init__).parameters
+    names = ("rope_aware", "holdout", "max_source_layers", "seed", "alignment_policy", "min_gain",
+             "exact_candidates", "token_context", "token_code_dims")
+    for name in names:
+        assert params[name].default == getattr(native, name), name
+    assert params["source_layers"].default == "auto"
+    assert native.selection == kvbridge._core.FitOptions.Selection.AUTO
+    assert params["ridge"].default == "auto" and len(native.ridge_grid) > 1
 
 
 def test_token_codes_fit_convert_and_file(weights, tmp_path):

@@ -124,7 +124,7 @@ def test_small_fit_and_convert_across_tokenizers(smollm2, gemma):
     assert missing == 0 and index[0] == 0  # start token to start token
     src_kv = hf.prefix_kv(smollm2.model, src.ids)
     vocab = gemma.model.get_input_embeddings().weight.shape[0]
-    assert adapter.has_token_codes and adapter.token_codes.shape == (vocab, 64)
+    assert adapter.has_token_codes and adapter.token_codes.shape == (vocab, 128)
     assert adapter.token_context == 2 and hf.token_codes(gemma.model).shape == (vocab, 640)
     fast = adapter.convert(src_kv, alignment=index, target_ids=tgt.ids)
     ref = adapter.convert(src_kv, alignment=index, target_ids=tgt.ids, reference=True)

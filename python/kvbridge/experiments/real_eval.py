@@ -81,7 +81,7 @@ class RealConfig:
     ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
     ttft_repeats: int = 3
     converted_start: bool = False      # ablation: the start token's KV converted too
-    token_codes: int = 64              # width of the target's token codes; 0: none
+    token_codes: int = 128             # width of the target's token codes; 0: none
     seed: int = 0
 
 
