@@ -1737,9 +1737,12 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
                      grid * (D * D * D / 3 + 3 * D * D * O));
     };
     const bool compress = r > 0 && r < codes.dims;
-    for (size_t j = 0; j < chosen.size(); ++j)
-      tracker.plan(work(j, m.token_width()) +
-                   (compress ? work(j, r * m.options.token_context) : 0.0));
+    double second_round = 0;  // the work on the compressed codes
+    for (size_t j = 0; j < chosen.size(); ++j) {
+      const double second = compress ? work(j, r * m.options.token_context) : 0.0;
+      second_round += second;
+      tracker.plan(work(j, m.token_width()) + second);
+    }
     const auto fit_terms = [&](const TokenMoments& tt, const TokenMoments& th) {
       detail::parallel_for(static_cast<int64_t>(chosen.size()), [&](int64_t i) {
         const size_t j = static_cast<size_t>(i);
@@ -1748,15 +1751,15 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
         tracker.step(work(j, tt.sz.size()), 0, i, static_cast<int64_t>(chosen[j].layers.size()));
       });
     };
-    bool any = false;
+    const auto any_term = [&] {
+      return std::any_of(fits.begin(), fits.end(), [](const Impl::TokenFit& f) {
+        return f.wz[0].size() > 0 || f.wz[1].size() > 0;
+      });
+    };
     try {  // a progress callback that throws stops the work (as in select)
       fit_terms(m.token_train, m.token_held);
-      for (const auto& f : fits) any = any || f.wz[0].size() > 0 || f.wz[1].size() > 0;
-      if (!any && compress) {  // nothing to compress: the second round's work is not done
-        double planned = 0;
-        for (size_t j = 0; j < chosen.size(); ++j) planned += work(j, r * m.options.token_context);
-        tracker.step(0, planned, -1, 0);
-      }
+      const bool any = any_term();
+      if (!any && compress) tracker.step(0, second_round, -1, 0);  // no second round: not done
       if (any && compress) {
         const MatD P = m.code_basis(fits, r);
         fit_terms(m.project(m.token_train, P), m.project(m.token_held, P));
@@ -1776,9 +1779,7 @@ LinearAdapter AdapterFitter::fit(const FitProgressCallback& progress) const {
       tracker.rethrow();
       throw;
     }
-    any = false;
-    for (const auto& f : fits) any = any || f.wz[0].size() > 0 || f.wz[1].size() > 0;
-    if (any) {
+    if (any_term()) {  // the second round may have dropped every term
       out->token_context = m.options.token_context;
       out->token_weights.resize(chosen.size());
       for (size_t j = 0; j < chosen.size(); ++j)
