@@ -175,8 +175,8 @@ struct ServingPoint {
 
 /// How an adapter should be served, recorded from its held-out evaluation (kvbridge eval
 /// --save-adapter, the real-pair eval): the least tail recompute that reached an agreement goal,
-/// and the curve it was chosen from. Bridge uses recompute_tail for loads converted by the
-/// adapter unless BridgeOptions::recompute_tail says otherwise. Stored in the adapter file as the
+/// and the curve it was chosen from. Bridge uses tail_for(n) for loads of n-token prompts
+/// converted by the adapter unless BridgeOptions::recompute_tail says otherwise. Stored in the adapter file as the
 /// optional metadata key "serving" (docs/adapter_file.md): files without it load with nothing
 /// recorded. It is covered by the file's checksum but not by LinearAdapter::fingerprint(), which
 /// identifies the conversion (weights, specs, layer map, report): setting it changes no
@@ -184,11 +184,20 @@ struct ServingPoint {
 struct ServingDefaults {
   bool recorded = false;       ///< false: nothing recorded (the other fields are their defaults)
   int64_t recompute_tail = 0;  ///< the tail to serve with, >= 0
+  /// The share of the prompt to recompute, in [0, 1]: a prompt of n tokens is served with
+  /// tail_for(n) = max(recompute_tail, ceil(recompute_share * n)), since a tail agrees less after
+  /// a longer converted prompt. 0 (the default, and files that do not record it): the fixed
+  /// tail alone.
+  double recompute_share = 0.0;
   /// The agreement the tail was chosen to reach, in [0, 1]; NaN when none was stated (a tail set
   /// by hand).
   double agreement_goal = std::numeric_limits<double>::quiet_NaN();
   std::vector<ServingPoint> measured;  ///< the measured curve, in the order measured
   std::string note;  ///< free text, e.g. why the tail is not the goal's (no point reached it)
+
+  /// The tail for a prompt of prompt_tokens (>= 0) tokens (see recompute_share); 0 when nothing
+  /// is recorded.
+  int64_t tail_for(int64_t prompt_tokens) const;
 };
 
 class LinearAdapter {
@@ -210,8 +219,8 @@ class LinearAdapter {
   /// with recorded == false clears the record (its other fields are ignored); otherwise it is
   /// stored as given. Thread-safe, also while a Bridge serves the adapter: loads that start
   /// after it returns use the new tail. save() writes it; fingerprint() does not change.
-  /// Throws InvalidArgument, changing nothing, for a recompute_tail < 0, an agreement_goal
-  /// outside [0, 1] (NaN allowed), or a point with a negative tail or prompt_tokens, an infinite
+  /// Throws InvalidArgument, changing nothing, for a recompute_tail < 0, a recompute_share
+  /// outside [0, 1], an agreement_goal outside [0, 1] (NaN allowed), or a point with a negative tail or prompt_tokens, an infinite
   /// kept, or an agreement or computed_share outside [0, 1] (NaN allowed).
   void set_serving(const ServingDefaults& serving);
 

@@ -24,9 +24,10 @@
 //    candidate holds at most n - 1 - r tokens (only tokens [p_T, min(p_S, n - 1 - r)) are
 //    converted and written back), so the target's own forward covers the prompt's last r + 1
 //    tokens over the converted prefix. A converted candidate must still be strictly longer than
-//    the native one after that cut. r is per adapter (recompute_tail(adapter)): the adapter's
-//    recorded serving defaults (LinearAdapter::serving(), measured by its evaluation) unless
-//    BridgeOptions::recompute_tail >= 0 fixes it for every adapter. The target's own entries are
+//    the native one after that cut. r is per adapter and prompt length (recompute_tail(adapter,
+//    n)): the adapter's recorded serving defaults (LinearAdapter::serving().tail_for(n),
+//    measured by its evaluation: a fixed tail, or a share of a longer prompt) unless
+//    BridgeOptions::recompute_tail >= 0 fixes it for every adapter and length. The target's own entries are
 //    never cut; a native prefix holding entries a conversion wrote back (their provenance names
 //    an adapter) is cut to max(its own-KV part, n - 1 - r), r the tail of the adapter the first
 //    such entry names (0 when that adapter is not registered here and no option fixes r), so a
@@ -198,10 +199,11 @@ class Bridge {
   std::vector<std::shared_ptr<const LinearAdapter>> adapters() const;
   /// min held-out R² over every target layer's K and V maps (-infinity for an empty report).
   static double quality(const LinearAdapter& adapter);
-  /// The tail recompute loads converted by `adapter` get (see the load policy above):
-  /// options().recompute_tail when >= 0, else the adapter's recorded serving tail
-  /// (adapter.serving().recompute_tail), else 0. The adapter need not be registered.
-  int64_t recompute_tail(const LinearAdapter& adapter) const;
+  /// The tail recompute loads of a prompt of prompt_tokens tokens converted by `adapter` get (see
+  /// the load policy above): options().recompute_tail when >= 0, else the adapter's recorded
+  /// serving tail for that length (adapter.serving().tail_for(prompt_tokens)), else 0. The
+  /// adapter need not be registered. Throws InvalidArgument for prompt_tokens < 0.
+  int64_t recompute_tail(const LinearAdapter& adapter, int64_t prompt_tokens) const;
 
   /// Records a quality check of the registered adapter with this fingerprint (see above) and
   /// returns true when this check disabled it. Throws InvalidArgument for a check out of range

@@ -33,27 +33,50 @@ def _figure(name: str, value: Any) -> float:
 
 def choose_serving(measured: Sequence[Mapping[str, Any]], agreement_goal: float,
                    note: str = "") -> Dict[str, Any]:
-    """Serving defaults (LinearAdapter.serving) from a measured tail-recompute curve: the least
-    measured recompute_tail whose agreement reaches `agreement_goal`; when none does, the
-    largest measured tail, with a note saying so. measured: points as LinearAdapter.serving's
-    (recompute_tail required; kept, agreement, computed_share, prompt_tokens); `note` is
-    prepended to the record's note. Raises InvalidArgumentError for an empty curve."""
+    """Serving defaults (LinearAdapter.serving) from a measured tail-recompute curve, measured
+    at one prompt length or several (points grouped by prompt_tokens). At each length, the
+    least measured tail whose agreement reaches `agreement_goal` (when none does, the largest
+    measured tail there, with a note saying so). recompute_tail is the shortest length's; a
+    longer length that needs more sets recompute_share to its tail over its length, so that the
+    Bridge's max(recompute_tail, ceil(recompute_share * n)) covers every length measured (the
+    same tail agrees less after a longer converted prompt). measured: points as
+    LinearAdapter.serving's (recompute_tail required; kept, agreement, computed_share,
+    prompt_tokens); a point without an agreement does not reach the goal. `note` is prepended to
+    the record's note. Raises InvalidArgumentError for an empty curve."""
     if not measured:
         raise InvalidArgumentError("choose_serving: no measured points")
     goal = _args.number("agreement_goal", agreement_goal)
-    points = sorted((dict(p) for p in measured), key=lambda p: int(p["recompute_tail"]))
-    reached = [p for p in points
-               if p.get("agreement") is not None and not math.isnan(p["agreement"])
-               and p["agreement"] >= goal]
-    if reached:
-        tail = int(reached[0]["recompute_tail"])
-        why = f"least measured tail with agreement >= {goal:g}"
-    else:
-        tail = int(points[-1]["recompute_tail"])
-        why = (f"no measured tail reached agreement {goal:g}: the largest measured one "
-               f"(measure longer tails, or serve this pair with care)")
-    return {"recompute_tail": tail, "agreement_goal": goal, "measured": points,
-            "note": f"{note}; {why}" if note else why}
+    points = sorted((dict(p) for p in measured),
+                    key=lambda p: (int(p.get("prompt_tokens") or 0), int(p["recompute_tail"])))
+    by_length: Dict[int, List[Dict[str, Any]]] = {}
+    for p in points:
+        by_length.setdefault(int(p.get("prompt_tokens") or 0), []).append(p)
+
+    def reaches(p: Mapping[str, Any]) -> bool:
+        a = p.get("agreement")
+        return a is not None and not math.isnan(a) and a >= goal
+
+    tail, share, why = 0, 0.0, []
+    for i, (length, curve) in enumerate(by_length.items()):
+        reached = [int(p["recompute_tail"]) for p in curve if reaches(p)]
+        needed = reached[0] if reached else int(curve[-1]["recompute_tail"])
+        at = f" at {length} prompt tokens" if len(by_length) > 1 else ""
+        if reached:
+            why.append(f"least measured tail with agreement >= {goal:g}{at}: {needed}")
+        else:
+            why.append(f"no measured tail reached agreement {goal:g}{at}: the largest measured "
+                       f"one, {needed} (measure longer tails, or serve this pair with care)")
+        if i == 0:
+            tail = needed
+        elif needed > tail and length > 0:
+            share = max(share, needed / length)
+    if share:
+        why.append(f"recompute_share {share:.4g} covers the longer prompts")
+    why_text = "; ".join(why)
+    return {"recompute_tail": tail, "recompute_share": share, "agreement_goal": goal,
+            "measured": sorted(points, key=lambda p: (int(p["recompute_tail"]),
+                                                      int(p.get("prompt_tokens") or 0))),
+            "note": f"{note}; {why_text}" if note else why_text}
 
 
 class LinearAdapter:
@@ -124,31 +147,35 @@ class LinearAdapter:
     def serving(self) -> Optional[Dict[str, Any]]:
         """The serving defaults recorded from the adapter's held-out evaluation, or None.
 
-        ``{"recompute_tail": r, "agreement_goal": g or None, "measured": [{"recompute_tail",
-        "kept", "agreement", "computed_share", "prompt_tokens"}, ...], "note": str}``: the tail
-        recompute to serve with (the least measured tail whose agreement reached the goal), and
-        the curve it was chosen from (figures not measured are None; computed_share is the share
-        of the prompt the target computed itself, (r + 1) / prompt_tokens). kvbridge.Bridge uses
-        recompute_tail for loads this adapter converts unless its own recompute_tail option is
-        set (>= 0). Stored in the adapter file (key "serving", docs/adapter_file.md).
+        ``{"recompute_tail": r, "recompute_share": s, "agreement_goal": g or None, "measured":
+        [{"recompute_tail", "kept", "agreement", "computed_share", "prompt_tokens"}, ...],
+        "note": str}``: the tail recompute to serve with, max(r, ceil(s * n)) for a prompt of n
+        tokens (choose_serving: the least that reached the goal at each prompt length measured),
+        and the curve it was chosen from (figures not measured are None; computed_share is the
+        share of the prompt the target computed itself, (r + 1) / prompt_tokens).
+        kvbridge.Bridge uses that tail for loads this adapter converts unless its own
+        recompute_tail option is set (>= 0). Stored in the adapter file (key "serving",
+        docs/adapter_file.md).
 
         Assign a dict of that form to record new defaults (only "recompute_tail" is required;
-        "agreement_goal", "measured" and "note" default to None, [] and ""; each point needs its
-        "recompute_tail", the rest default to None), or None to clear them; save() then writes
-        them. Thread-safe, also while a Bridge serves the adapter (loads starting afterwards use
-        the new tail). Raises TypeError for a wrong type, kvbridge.InvalidArgumentError for an
-        unknown key or a value out of range (tails and prompt_tokens ints >= 0, agreement_goal,
-        agreement and computed_share in [0, 1], kept finite)."""
+        "recompute_share", "agreement_goal", "measured" and "note" default to 0, None, [] and "";
+        each point needs its "recompute_tail", the rest default to None), or None to clear them;
+        save() then writes them. Thread-safe, also while a Bridge serves the adapter (loads
+        starting afterwards use the new tail). Raises TypeError for a wrong type,
+        kvbridge.InvalidArgumentError for an unknown key or a value out of range (tails and
+        prompt_tokens ints >= 0, recompute_share, agreement_goal, agreement and computed_share
+        in [0, 1], kept finite)."""
         return self._native.serving
 
     @serving.setter
     def serving(self, value: Optional[Mapping[str, Any]]) -> None:
         if value is None:
-            self._native.set_serving(False, 0, math.nan, [], "")
+            self._native.set_serving(False, 0, 0.0, math.nan, [], "")
             return
         if not isinstance(value, Mapping):
             raise TypeError(f"serving: expected a dict or None, got {type(value).__name__}")
-        _known_keys("serving", value, ("recompute_tail", "agreement_goal", "measured", "note"))
+        _known_keys("serving", value, ("recompute_tail", "recompute_share", "agreement_goal",
+                                       "measured", "note"))
         if "recompute_tail" not in value:
             raise InvalidArgumentError("serving: 'recompute_tail' is required")
         measured = value.get("measured") or []
@@ -170,6 +197,7 @@ class LinearAdapter:
                            _args.size(f"{name}['prompt_tokens']", point.get("prompt_tokens", 0))))
         self._native.set_serving(
             True, _args.integer("serving['recompute_tail']", value["recompute_tail"], -2**63),
+            _args.number("serving['recompute_share']", value.get("recompute_share", 0.0)),
             _figure("serving['agreement_goal']", value.get("agreement_goal")), points,
             _args.text("serving['note']", value.get("note", "")))
 

@@ -200,14 +200,16 @@ class Bridge:
         """Minimum held-out R² over every target layer's K and V maps (what min_quality gates)."""
         return _core.Bridge.quality(adapter._native)
 
-    def recompute_tail_for(self, adapter: LinearAdapter) -> int:
-        """The tail recompute loads converted by `adapter` get: the recompute_tail option when
-        it is >= 0, else the adapter's recorded one (adapter.serving["recompute_tail"]), else 0.
-        The adapter need not be registered."""
+    def recompute_tail_for(self, adapter: LinearAdapter, prompt_tokens: int) -> int:
+        """The tail recompute loads of a prompt of `prompt_tokens` tokens converted by
+        `adapter` get: the recompute_tail option when it is >= 0, else the adapter's recorded
+        one for that length (max(serving["recompute_tail"], ceil(serving["recompute_share"] *
+        prompt_tokens))), else 0. The adapter need not be registered."""
         if not isinstance(adapter, LinearAdapter):
             raise TypeError("adapter: expected a kvbridge.LinearAdapter, got "
                             f"{type(adapter).__name__}")
-        return self._native.recompute_tail_for(adapter._native)
+        return self._native.recompute_tail_for(adapter._native,
+                                               _args.size("prompt_tokens", prompt_tokens))
 
     def record_check(self, adapter: Union[LinearAdapter, str], check: Any) -> bool:
         """Records a quality check (a kvbridge.monitor.Check) of the registered adapter (or its

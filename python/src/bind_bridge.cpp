@@ -99,8 +99,10 @@ void bind_bridge(py::module_& m) {
       KVBRIDGE_BRIDGE_OPTIONS(KVBRIDGE_OPTION_PROPERTY_)
       .def(
           "recompute_tail_for",
-          [](const Bridge& b, const LinearAdapter& adapter) { return b.recompute_tail(adapter); },
-          py::arg("adapter"))
+          [](const Bridge& b, const LinearAdapter& adapter, int64_t prompt_tokens) {
+            return b.recompute_tail(adapter, prompt_tokens);
+          },
+          py::arg("adapter"), py::arg("prompt_tokens"))
       .def(
           "record_check",
           [](Bridge& b, const std::string& adapter, int64_t positions, int64_t agreed,

@@ -850,6 +850,7 @@ PYBIND11_MODULE(_core, m) {
                                }
                                py::dict out;
                                out["recompute_tail"] = s.recompute_tail;
+                               out["recompute_share"] = s.recompute_share;
                                out["agreement_goal"] = figure(s.agreement_goal);
                                out["measured"] = measured;
                                out["note"] = s.note;
@@ -859,19 +860,22 @@ PYBIND11_MODULE(_core, m) {
       // NaN for a figure not measured; recorded false clears the record.
       .def(
           "set_serving",
-          [](LinearAdapter& a, bool recorded, int64_t recompute_tail, double agreement_goal,
+          [](LinearAdapter& a, bool recorded, int64_t recompute_tail, double recompute_share,
+             double agreement_goal,
              const std::vector<std::tuple<int64_t, double, double, double, int64_t>>& measured,
              const std::string& note) {
             ServingDefaults s;
             s.recorded = recorded;
             s.recompute_tail = recompute_tail;
+            s.recompute_share = recompute_share;
             s.agreement_goal = agreement_goal;
             s.note = note;
             for (const auto& [r, kept, agreement, share, prompt] : measured)
               s.measured.push_back({r, kept, agreement, share, prompt});
             a.set_serving(s);
           },
-          py::arg("recorded"), py::arg("recompute_tail"), py::arg("agreement_goal"),
+          py::arg("recorded"), py::arg("recompute_tail"), py::arg("recompute_share"),
+          py::arg("agreement_goal"),
           py::arg("measured"), py::arg("note"))
       .def_static(
           "load",

@@ -1,6 +1,7 @@
 // LinearAdapter's serving defaults: accessors, validation and the file's JSON form.
 #include "src/adapter/serving.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -42,6 +43,8 @@ void check_serving(const ServingDefaults& s) {
   if (!s.recorded) return;
   KVB_CHECK(s.recompute_tail >= 0,
             "serving defaults: recompute_tail must be >= 0, got " << s.recompute_tail);
+  KVB_CHECK(s.recompute_share >= 0.0 && s.recompute_share <= 1.0,
+            "serving defaults: recompute_share must lie in [0, 1], got " << s.recompute_share);
   KVB_CHECK(in_unit(s.agreement_goal),
             "serving defaults: agreement_goal must lie in [0, 1] (or be NaN: none stated), got "
                 << s.agreement_goal);
@@ -69,6 +72,7 @@ std::string serving_json(const ServingDefaults& s) {
                         {"computed_share", number_or_null(p.computed_share)},
                         {"prompt_tokens", p.prompt_tokens}});
   const json j = {{"recompute_tail", s.recompute_tail},
+                  {"recompute_share", s.recompute_share},
                   {"agreement_goal", number_or_null(s.agreement_goal)},
                   {"measured", measured},
                   {"note", s.note}};
@@ -82,6 +86,12 @@ ServingDefaults parse_serving(const std::string& text) {
     const json j = json::parse(text);
     KVB_CHECK_AS(Corrupt, j.is_object(), "adapter file: serving is not a JSON object");
     s.recompute_tail = count_from(j, "recompute_tail", "");
+    if (j.contains("recompute_share")) {  // files written before it record the tail alone
+      const json& share = j.at("recompute_share");
+      KVB_CHECK_AS(Corrupt, share.is_number(), "adapter file: serving.recompute_share must be a "
+                                               "number");
+      s.recompute_share = share.get<double>();
+    }
     s.agreement_goal = number_from(j, "agreement_goal", "");
     const auto note = j.find("note");
     KVB_CHECK_AS(Corrupt, note != j.end() && note->is_string(),
@@ -112,6 +122,13 @@ ServingDefaults parse_serving(const std::string& text) {
 }
 
 }  // namespace detail
+
+int64_t ServingDefaults::tail_for(int64_t prompt_tokens) const {
+  if (!recorded) return 0;
+  // The 1e-9 keeps a product that is whole up to rounding (0.07 * 100) from rounding up past it.
+  const double share_tail = std::ceil(recompute_share * static_cast<double>(prompt_tokens) - 1e-9);
+  return std::max(recompute_tail, static_cast<int64_t>(std::max(0.0, share_tail)));
+}
 
 ServingDefaults LinearAdapter::serving() const {
   std::lock_guard<std::mutex> lock(impl_->serving_mutex);

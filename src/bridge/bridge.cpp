@@ -15,20 +15,19 @@ namespace kvbridge {
 
 using detail::Registered;
 
-int64_t Bridge::Impl::tail_of(const LinearAdapter& adapter) const {
+int64_t Bridge::Impl::tail_of(const LinearAdapter& adapter, int64_t prompt_tokens) const {
   if (options.recompute_tail >= 0) return options.recompute_tail;
-  const ServingDefaults serving = adapter.serving();
-  return serving.recorded ? serving.recompute_tail : 0;
+  return adapter.serving().tail_for(prompt_tokens);
 }
 
-int64_t Bridge::Impl::tail_of(const std::string& adapter_fp) {
+int64_t Bridge::Impl::tail_of(const std::string& adapter_fp, int64_t prompt_tokens) {
   if (options.recompute_tail >= 0) return options.recompute_tail;
   std::shared_ptr<const LinearAdapter> adapter;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (Registered* r = find(adapter_fp)) adapter = r->adapter;
   }
-  return adapter ? tail_of(*adapter) : 0;
+  return adapter ? tail_of(*adapter, prompt_tokens) : 0;
 }
 
 Registered* Bridge::Impl::find(const std::string& adapter_fp) {
@@ -149,8 +148,9 @@ double Bridge::quality(const LinearAdapter& adapter) {
   return q;
 }
 
-int64_t Bridge::recompute_tail(const LinearAdapter& adapter) const {
-  return impl_->tail_of(adapter);
+int64_t Bridge::recompute_tail(const LinearAdapter& adapter, int64_t prompt_tokens) const {
+  KVB_CHECK(prompt_tokens >= 0, "recompute_tail: prompt_tokens must be >= 0, got " << prompt_tokens);
+  return impl_->tail_of(adapter, prompt_tokens);
 }
 
 void Bridge::add_adapter(std::shared_ptr<const LinearAdapter> adapter, bool replace) {

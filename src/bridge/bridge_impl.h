@@ -65,7 +65,7 @@ struct Candidate {
   Match match;
   int64_t cached = 0;  // of match's tokens, those that may be served (usable_prefix)
   int64_t length = 0;
-  int64_t tail = 0;  // Bridge::recompute_tail of the adapter
+  int64_t tail = 0;  // Bridge::recompute_tail of the adapter for this prompt
   std::vector<int64_t> alignment;  // empty: same tokenizer, token j from source token j
 };
 
@@ -115,10 +115,10 @@ struct Bridge::Impl {
   bool usable(const detail::Registered& r) const { return r.quality >= options.min_quality; }
 
   // Bridge::recompute_tail.
-  int64_t tail_of(const LinearAdapter& adapter) const;
-  // The tail for entries whose provenance names this adapter fingerprint: the option, or the
-  // registered adapter's own tail (0 for one not registered here).
-  int64_t tail_of(const std::string& adapter_fp);
+  int64_t tail_of(const LinearAdapter& adapter, int64_t prompt_tokens) const;
+  // The tail, for a prompt of prompt_tokens, of entries whose provenance names this adapter
+  // fingerprint: the option, or the registered adapter's own tail (0 for one not registered).
+  int64_t tail_of(const std::string& adapter_fp, int64_t prompt_tokens);
 
   // The registered adapter with this fingerprint, or nullptr; call with `mu` held.
   detail::Registered* find(const std::string& adapter_fp);

@@ -113,7 +113,9 @@ NativePrefix Bridge::Impl::native_prefix(const LoadRequest& req) {
   lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   native.use = usable_prefix(native.match);
   // Entries a conversion wrote back keep their adapter's tail (the target's own part is not cut).
-  native.tail = native.use.origin.converted() ? tail_of(native.use.origin.adapter_fingerprint) : 0;
+  native.tail = native.use.origin.converted()
+                    ? tail_of(native.use.origin.adapter_fingerprint, req.limit + 1)
+                    : 0;
   native.length = native.tail > 0 ? std::min(native.use.tokens,
                                              std::max(native.use.own, req.limit - native.tail))
                                   : native.use.tokens;
@@ -159,7 +161,7 @@ Candidate Bridge::Impl::choose(const LoadRequest& req, const NativePrefix& nativ
     const ModelSpec& source = r.adapter->source();
     Candidate c;
     c.registered = &r;
-    c.tail = tail_of(*r.adapter);
+    c.tail = tail_of(*r.adapter, limit + 1);
     if (source.tokenizer == req.spec.tokenizer) {
       const auto start = Clock::now();
       c.match = store.match(source, req.tokens, req.ns);

@@ -844,6 +844,7 @@ ServingDefaults serving_of(int64_t tail) {
   ServingDefaults s;
   s.recorded = true;
   s.recompute_tail = tail;
+  s.recompute_share = 0.125;
   s.agreement_goal = 0.875;
   s.note = "planted";
   for (int64_t r : {0, 4, 9}) {
@@ -875,6 +876,7 @@ TEST_F(BridgeTest, ServingDefaultsRoundTripThroughTheAdapterFile) {
   const ServingDefaults s = back.serving();
   ASSERT_TRUE(s.recorded);
   EXPECT_EQ(s.recompute_tail, 4);
+  EXPECT_EQ(s.recompute_share, 0.125);
   EXPECT_EQ(s.agreement_goal, 0.875);
   EXPECT_EQ(s.note, "planted");
   ASSERT_EQ(s.measured.size(), 3u);
@@ -911,6 +913,16 @@ TEST_F(BridgeTest, ServingDefaultsRoundTripThroughTheAdapterFile) {
   AdapterLoadOptions unchecked;
   unchecked.allow_unchecked = true;
   EXPECT_THROW(LinearAdapter::load(dir.path + "/bad.safetensors", unchecked), Corrupt);
+  text = "{\"recompute_tail\":3,\"recompute_share\":2.0,\"agreement_goal\":null,"
+         "\"measured\":[],\"note\":\"\"}";
+  io::write_safetensors(dir.path + "/bad_share.safetensors", tensors, file.metadata);
+  EXPECT_THROW(LinearAdapter::load(dir.path + "/bad_share.safetensors", unchecked), Corrupt);
+  // A record written before recompute_share existed serves its tail alone.
+  text = "{\"recompute_tail\":3,\"agreement_goal\":null,\"measured\":[],\"note\":\"\"}";
+  io::write_safetensors(dir.path + "/old.safetensors", tensors, file.metadata);
+  const ServingDefaults old = LinearAdapter::load(dir.path + "/old.safetensors", unchecked).serving();
+  EXPECT_EQ(old.recompute_share, 0.0);
+  EXPECT_EQ(old.tail_for(100000), 3);
 
   // Clearing the record: the file is the plain one again, byte for byte in its checksum.
   plain->set_serving(ServingDefaults{});
@@ -926,6 +938,11 @@ TEST_F(BridgeTest, ServingDefaultsRoundTripThroughTheAdapterFile) {
   bad = serving_of(4);
   bad.agreement_goal = 1.5;
   EXPECT_THROW(plain->set_serving(bad), InvalidArgument);
+  for (double share : {-0.1, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
+    bad = serving_of(4);
+    bad.recompute_share = share;
+    EXPECT_THROW(plain->set_serving(bad), InvalidArgument) << share;
+  }
   bad = serving_of(4);
   bad.measured[0].agreement = -0.1;
   EXPECT_THROW(plain->set_serving(bad), InvalidArgument);
@@ -950,7 +967,7 @@ TEST_F(BridgeTest, ConvertedLoadsUseTheAdaptersRecordedTail) {
   KVStore store(store_options());
   Bridge bridge(store);
   EXPECT_EQ(bridge.options().recompute_tail, -1);
-  EXPECT_EQ(bridge.recompute_tail(*adapter), 9);
+  EXPECT_EQ(bridge.recompute_tail(*adapter, 53), 9);
   bridge.add_adapter(adapter);
   bridge.save(*src_, tokens, src.view());
   const Load load = bridge.load(*tgt_, tokens);
@@ -974,7 +991,7 @@ TEST_F(BridgeTest, ConvertedLoadsUseTheAdaptersRecordedTail) {
     BridgeOptions o;
     o.recompute_tail = r;
     Bridge b(s, o);
-    EXPECT_EQ(b.recompute_tail(*adapter), r);
+    EXPECT_EQ(b.recompute_tail(*adapter, 53), r);
     b.add_adapter(adapter);
     b.save(*src_, tokens, src.view());
     const Load l = b.load(*tgt_, tokens);
@@ -985,12 +1002,51 @@ TEST_F(BridgeTest, ConvertedLoadsUseTheAdaptersRecordedTail) {
   // Nothing recorded: 0 (the old default's behaviour).
   KVStore store3(store_options());
   Bridge bridge3(store3);
-  EXPECT_EQ(bridge3.recompute_tail(**good_), 0);
+  EXPECT_EQ(bridge3.recompute_tail(**good_, 53), 0);
   bridge3.add_adapter(*good_);
   bridge3.save(*src_, tokens, src.view());
   const Load whole = bridge3.load(*tgt_, tokens);
   EXPECT_EQ(whole.tokens(), 48);
   EXPECT_EQ(whole.recompute_tail(), 0);
+}
+
+// A recorded share: a prompt of n tokens gets max(recompute_tail, ceil(share * n)).
+TEST_F(BridgeTest, RecordedShareLengthensTheTailOfLongerPrompts) {
+  ServingDefaults none;
+  EXPECT_EQ(none.tail_for(1000), 0);  // nothing recorded
+  ServingDefaults s = serving_of(2);
+  s.recompute_share = 0.1;
+  EXPECT_EQ(s.tail_for(0), 2);
+  EXPECT_EQ(s.tail_for(20), 2);
+  EXPECT_EQ(s.tail_for(21), 3);
+  EXPECT_EQ(s.tail_for(31), 4);
+  s.recompute_share = 0.07;
+  EXPECT_EQ(s.tail_for(100), 7);  // 0.07 * 100 is 7.000000000000001 in binary
+  EXPECT_EQ(s.tail_for(101), 8);
+
+  testing::TempDir dir;
+  auto adapter = copy_of(**good_, dir.path + "/a.safetensors");
+  s.recompute_share = 0.25;
+  adapter->set_serving(s);
+  KVStore store(store_options());
+  Bridge bridge(store);
+  EXPECT_EQ(bridge.recompute_tail(*adapter, 4), 2);
+  EXPECT_EQ(bridge.recompute_tail(*adapter, 53), 14);  // ceil(13.25)
+  EXPECT_THROW(bridge.recompute_tail(*adapter, -1), InvalidArgument);
+  bridge.add_adapter(adapter);
+  const auto tokens = testing::random_tokens(53, 76);  // limit 52, source cached [0, 48)
+  FloatKV src(*src_, 53, 1);
+  src.randomize(77);
+  bridge.save(*src_, tokens, src.view());
+  const Load load = bridge.load(*tgt_, tokens);
+  ASSERT_TRUE(load.converted());
+  EXPECT_EQ(load.recompute_tail(), 14);
+  EXPECT_EQ(load.tokens(), 38);  // 52 - 14
+  // An explicit option still fixes the tail for every length.
+  BridgeOptions fixed;
+  fixed.recompute_tail = 3;
+  Bridge fixed_bridge(store, fixed);
+  EXPECT_EQ(fixed_bridge.recompute_tail(*adapter, 53), 3);
 }
 
 // A native hit on entries a conversion wrote back keeps the tail of the adapter its provenance

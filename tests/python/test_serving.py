@@ -12,7 +12,7 @@ from kvbridge.adapter import choose_serving
 from conftest import random_kv
 from test_bridge import SRC, TGT, fit_planted, make_bridge, max_rel_diff, prefix, tokens_of
 
-RECORD = {"recompute_tail": 9, "agreement_goal": 0.875, "note": "planted",
+RECORD = {"recompute_tail": 9, "recompute_share": 0.0, "agreement_goal": 0.875, "note": "planted",
           "measured": [{"recompute_tail": 0, "kept": 0.5, "agreement": 0.8,
                         "computed_share": 1 / 53, "prompt_tokens": 53},
                        {"recompute_tail": 4, "kept": None, "agreement": 0.84,
@@ -45,8 +45,8 @@ def test_record_round_trips_and_keeps_the_fingerprint(adapter, tmp_path):
     assert "serving" in meta and meta["checksum"] != fp  # checksummed, not the identity
     # Only the tail is required; clearing writes the plain file again.
     adapter.serving = {"recompute_tail": 3}
-    assert adapter.serving == {"recompute_tail": 3, "agreement_goal": None, "measured": [],
-                               "note": ""}
+    assert adapter.serving == {"recompute_tail": 3, "recompute_share": 0.0,
+                               "agreement_goal": None, "measured": [], "note": ""}
     adapter.serving = None
     adapter.save(tmp_path / "b.safetensors")
     with safe_open(str(tmp_path / "b.safetensors"), "pt") as f:
@@ -58,6 +58,9 @@ def test_record_round_trips_and_keeps_the_fingerprint(adapter, tmp_path):
     ({"recompute_tail": -1}, kvbridge.InvalidArgumentError),
     ({"agreement_goal": 0.9}, kvbridge.InvalidArgumentError),  # no tail
     ({"recompute_tail": 1, "agreement_goal": 1.5}, kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "recompute_share": 1.5}, kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "recompute_share": math.nan}, kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "recompute_share": "0.1"}, TypeError),
     ({"recompute_tail": 1, "tail": 2}, kvbridge.InvalidArgumentError),
     ({"recompute_tail": 1, "measured": [{"recompute_tail": 0, "agreement": -0.5}]},
      kvbridge.InvalidArgumentError),
@@ -80,7 +83,7 @@ def test_bridge_serves_with_the_adapters_tail(adapter):
     src_kv = random_kv(SRC, 53, seed=12)
     adapter.serving = RECORD
     bridge = make_bridge(adapter)
-    assert bridge.recompute_tail == -1 and bridge.recompute_tail_for(adapter) == 9
+    assert bridge.recompute_tail == -1 and bridge.recompute_tail_for(adapter, 53) == 9
     bridge.save(SRC, tokens, src_kv)
     hit = bridge.load(TGT, tokens)
     assert hit.converted and hit.tokens == 43 and hit.recompute_tail == 9  # 52 - 9
@@ -92,12 +95,34 @@ def test_bridge_serves_with_the_adapters_tail(adapter):
         b = make_bridge(adapter, **options)
         b.save(SRC, tokens, src_kv)
         got = b.load(TGT, tokens)
-        assert (got.tokens, got.recompute_tail, b.recompute_tail_for(adapter)) == \
+        assert (got.tokens, got.recompute_tail, b.recompute_tail_for(adapter, 53)) == \
             (tokens_loaded, tail, tail)
     adapter.serving = None
     b = make_bridge(adapter)
     b.save(SRC, tokens, src_kv)
-    assert (b.load(TGT, tokens).tokens, b.recompute_tail_for(adapter)) == (48, 0)
+    assert (b.load(TGT, tokens).tokens, b.recompute_tail_for(adapter, 53)) == (48, 0)
+
+
+def test_bridge_serves_a_share_of_longer_prompts(adapter, tmp_path):
+    # max(recompute_tail, ceil(recompute_share * n)): the fixed tail on short prompts, the
+    # share on long ones.
+    adapter.serving = {"recompute_tail": 2, "recompute_share": 0.1}
+    bridge = make_bridge(adapter)
+    assert [bridge.recompute_tail_for(adapter, n) for n in (0, 10, 20, 21, 53)] == [2, 2, 2, 3, 6]
+    tokens = tokens_of(53, 13)  # the source caches 48 (whole chunks); limit 52
+    src_kv = random_kv(SRC, 53, seed=14)
+    bridge.save(SRC, tokens, src_kv)
+    hit = bridge.load(TGT, tokens)
+    assert hit.converted and hit.recompute_tail == 6 and hit.tokens == 46  # 52 - 6
+    # A shorter prompt over the written-back prefix: its own length's tail.
+    short = bridge.load(TGT, tokens[:36])  # written back: whole chunks [0, 32)
+    assert short.recompute_tail == 4 and short.tokens == 31  # 35 - ceil(3.6)
+    # The share survives the file; a file that does not record one serves the tail alone.
+    adapter.save(tmp_path / "share.safetensors")
+    assert kvbridge.LinearAdapter.load(tmp_path / "share.safetensors").serving[
+        "recompute_share"] == 0.1
+    with pytest.raises(kvbridge.InvalidArgumentError):
+        bridge.recompute_tail_for(adapter, -1)
 
 
 def test_written_back_hits_keep_the_tail(adapter):
@@ -143,6 +168,29 @@ def test_choose_serving():
         choose_serving([], 0.9)
 
 
+def test_choose_serving_holds_the_goal_at_every_prompt_length():
+    # Record 255's shape: after the longer prompt the same tail agrees less.
+    short = [(0, 0.858), (16, 0.872), (32, 0.879)]
+    long = [(0, 0.834), (16, 0.847), (32, 0.858)]
+    points = ([{"recompute_tail": r, "agreement": a, "prompt_tokens": 1266} for r, a in long]
+              + [{"recompute_tail": r, "agreement": a, "prompt_tokens": 316} for r, a in short])
+    got = choose_serving(points, 0.85)
+    assert got["recompute_tail"] == 0 and got["recompute_share"] == pytest.approx(32 / 1266)
+    assert "at 316 prompt tokens: 0" in got["note"] and "at 1266 prompt tokens: 32" in got["note"]
+    assert [(p["recompute_tail"], p["prompt_tokens"]) for p in got["measured"]] == [
+        (0, 316), (0, 1266), (16, 316), (16, 1266), (32, 316), (32, 1266)]
+    # The short curve alone: a fixed tail, no share.
+    alone = choose_serving(points[3:], 0.85)
+    assert (alone["recompute_tail"], alone["recompute_share"]) == (0, 0.0)
+    # When the longer prompts need no more than the shorter ones, no share either.
+    assert choose_serving(points, 0.83)["recompute_share"] == 0.0
+    # A length that reaches no measured tail falls back to its largest, and says so.
+    missed = choose_serving(points, 0.86)
+    assert missed["recompute_tail"] == 16
+    assert missed["recompute_share"] == pytest.approx(32 / 1266)
+    assert "no measured tail reached agreement 0.86 at 1266 prompt tokens" in missed["note"]
+
+
 def test_real_eval_records_the_least_tail_reaching_the_goal():
     from kvbridge.experiments import real_eval
 
@@ -156,6 +204,16 @@ def test_real_eval_records_the_least_tail_reaching_the_goal():
                                   "computed_share": 0.06, "prompt_tokens": 300}
     assert real_eval.serving_record(results, 0.8)["recompute_tail"] == 0
     assert "no measured tail" in real_eval.serving_record(results, 0.95)["note"]
+    # Longer prompts' curve: the tail must reach the goal there too.
+    results["long"] = {"tails": {str(r): {"kept": k, "agreement": a, "recomputed_share": s,
+                                          "prompt_tokens": 3600, "windows": 3}
+                                 for r, k, a, s in ((0, 0.4, 0.78, 0.001), (16, 0.5, 0.79, 0.02),
+                                                    (64, 0.6, 0.86, 0.06))}}
+    both = real_eval.serving_record(results, 0.8)
+    assert both["recompute_tail"] == 0 and len(both["measured"]) == 6
+    assert both["recompute_share"] == pytest.approx(64 / 1200)
+    assert both["note"].startswith("real eval, 3 + 3 held-out windows")
+    assert {p["prompt_tokens"] for p in both["measured"]} == {300, 1200}
     parser = real_eval.build_parser()
     args = parser.parse_args(["--source", "a", "--target", "b", "--agreement-goal", "0.7"])
     assert args.agreement_goal == 0.7
@@ -237,4 +295,4 @@ def test_kvbridge_eval_saves_the_serving_record(tmp_path, monkeypatch):
     assert record["recompute_tail"] == (reached[0] if reached else 8)
     # A plain Bridge now serves it with that tail.
     bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 20, chunk_tokens=8))
-    assert bridge.recompute_tail_for(saved) == record["recompute_tail"]
+    assert bridge.recompute_tail_for(saved, 32) == record["recompute_tail"]

@@ -142,7 +142,7 @@ def test_written_back_entries_keep_their_adapters_tail(adapter):
     written-back entries are cut to n - 1 - 96, as in Bridge.load."""
     prompt = prompt_of(101)
     bridge = make_bridge(adapter, prompt, 0, 0, recompute_tail=-1)
-    assert bridge.recompute_tail_for(adapter) == 96
+    assert bridge.recompute_tail_for(adapter, 224) == 96
     bridge.store.put(adapter.target, prompt[:64], random_kv(adapter.target, 64, 7), NS,
                      converted_from=adapter.source.fingerprint, adapter=adapter.fingerprint)
     got = device_load.load(bridge, adapter.target, prompt, NS, "cpu")

@@ -38,7 +38,10 @@ DEFAULT_SOURCE = "smollm2-135m"
 #: Held-out windows and tails a freshly fitted demo adapter is measured on for its serving
 #: defaults.
 SERVING_WINDOWS = 8
-SERVING_TAILS = (0, 16, 64, 128)
+#: Longer windows (RealConfig.long_window_bytes) the serving tail must also hold on: the demo
+#: serves prompts of 1,000 and 2,000 tokens, and a tail agrees less on longer prompts.
+SERVING_LONG_WINDOWS = 4
+SERVING_TAILS = (0, 16, 32, 64, 128)
 DEFAULT_TARGET = "gemma3-270m"
 
 
@@ -55,7 +58,7 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
     saved (the file name binds both fingerprints and the setting)."""
     setting = {k: getattr(config, k) for k in
                ("window_bytes", "train_windows", "heldout_share", "policy", "source_layers",
-                "token_codes", "seed")}
+                "token_codes", "long_window_bytes", "seed")}
     # An adapter fitted before the fit took the target's key norm is not this setting's.
     setting["target_key_norm"] = hf.key_norm(pair.target.model) is not None
     setting = json.dumps(setting, sort_keys=True)
@@ -77,11 +80,19 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
     adapter = real_eval.fit(pair, texts, config, progress=True)
     # Its serving defaults, measured on held-out windows as the eval does, so that the Bridge
     # serves it with the tail that reaches the stated agreement (LinearAdapter.serving).
-    heldout = corpus.windows(heldout_files, config.window_bytes, SERVING_WINDOWS)
-    scores = real_eval.score(pair, adapter, heldout, config.continuation_share, SERVING_TAILS,
-                             progress=True)
-    adapter.serving = real_eval.serving_record({"tails": {str(r): v for r, v in scores.items()}},
-                                               real_eval.DEFAULT_AGREEMENT_GOAL)
+    curves = {}
+    for window_bytes, count, share in (
+            (config.window_bytes, SERVING_WINDOWS, config.continuation_share),
+            (config.long_window_bytes, SERVING_LONG_WINDOWS,
+             config.long_window_bytes and real_eval.long_continuation_share(config))):
+        if window_bytes:
+            heldout = corpus.windows(heldout_files, window_bytes, count)
+            scores = real_eval.score(pair, adapter, heldout, share, SERVING_TAILS, progress=True)
+            curves[window_bytes] = {str(r): v for r, v in scores.items()}
+    results = {"tails": curves.pop(config.window_bytes)}
+    if curves:
+        results["long"] = {"tails": curves.popitem()[1]}
+    adapter.serving = real_eval.serving_record(results, real_eval.DEFAULT_AGREEMENT_GOAL)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     adapter.save(str(tmp))

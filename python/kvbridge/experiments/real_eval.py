@@ -31,6 +31,12 @@ cache equals the one with the target's own (teacher forced). The converted cache
 (the start token) is the target's own KV of it, as kvbridge.Bridge serves it (Bridge.add_start);
 ``--converted-start`` scores the conversion of it too, as an ablation.
 
+Longer prompts. The same tails are scored again on ``long_heldout_windows`` windows of
+``long_window_bytes`` bytes of the same held-out files, with a continuation of as many bytes as
+the main windows' (``--long-window-bytes 0``: not). The same continuation agrees less with the
+converted cache after a longer prompt, so the serving record saved with ``--save-adapter`` must
+reach the agreement goal at both lengths.
+
 TTFT ratio. For prompts of about ``ttft_tokens`` target tokens cut from held-out text: the
 target's own prefill and first token, against aligning both tokenizations, converting the
 source's cache (as a store would hold it) and the target's forward of the rest; medians over
@@ -82,6 +88,12 @@ class RealConfig:
     ttft_repeats: int = 3
     converted_start: bool = False      # ablation: the start token's KV converted too
     token_codes: int = 128             # width of the target's token codes; 0: none
+    # The curve is scored again on longer held-out prompts: windows of this many bytes with the
+    # same continuation (continuation_share * window_bytes bytes) after a prompt of about 1,550
+    # target tokens at 6,144; the serving record must reach the agreement goal on both, since
+    # the same tail agrees less after a longer converted prompt (record 255). 0: one length.
+    long_window_bytes: int = 6144
+    long_heldout_windows: int = 12
     seed: int = 0
 
 
@@ -90,18 +102,28 @@ DEFAULT_AGREEMENT_GOAL = 0.85
 
 
 def serving_record(results: Dict[str, Any], agreement_goal: float) -> Dict[str, Any]:
-    """The serving defaults (LinearAdapter.serving) of the results' measured tails: per tail its
-    kept, agreement, share of the prompt computed and mean prompt tokens; the least tail reaching
-    agreement_goal (kvbridge.adapter.choose_serving)."""
-    points = []
-    for r, v in results["tails"].items():
-        points.append({"recompute_tail": int(r), "kept": finite_or_null(v["kept"]),
-                       "agreement": finite_or_null(v["agreement"]),
-                       "computed_share": v["recomputed_share"],
-                       "prompt_tokens": int(round(v["prompt_tokens"] / v["windows"]))})
+    """The serving defaults (LinearAdapter.serving) of the results' measured tails, those of
+    results["long"] (the longer prompts) too when present: per tail and prompt length its kept,
+    agreement, share of the prompt computed and mean prompt tokens; the least tail reaching
+    agreement_goal at every length (kvbridge.adapter.choose_serving)."""
+    points, windows = [], []
+    for curve in (results["tails"], results.get("long", {}).get("tails", {})):
+        for r, v in curve.items():
+            points.append({"recompute_tail": int(r), "kept": finite_or_null(v["kept"]),
+                           "agreement": finite_or_null(v["agreement"]),
+                           "computed_share": v["recomputed_share"],
+                           "prompt_tokens": int(round(v["prompt_tokens"] / v["windows"]))})
+        if curve:
+            windows.append(str(next(iter(curve.values()))["windows"]))
     return choose_serving(points, agreement_goal,
-                          f"real eval, {next(iter(results['tails'].values()))['windows']} "
-                          "held-out windows (prompt_tokens: their mean)")
+                          f"real eval, {' + '.join(windows)} held-out windows "
+                          "(prompt_tokens: their mean)")
+
+
+def long_continuation_share(config: RealConfig) -> float:
+    """The continuation share of the longer prompts' windows: the same continuation bytes as
+    the main windows', so the two curves differ in the prompt's length only."""
+    return config.continuation_share * config.window_bytes / config.long_window_bytes
 
 
 def nearest_layers(source_layers: int, target_layers: int, k: int) -> List[List[int]]:
@@ -295,9 +317,10 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
         raise kvbridge.InvalidArgumentError(f"text: {len(files)} files split into {len(train_files)} training "
                                             f"and {len(heldout_files)} held-out files; both need some")
     timings: Dict[str, float] = {}
-    train = corpus.windows(train_files, config.window_bytes, config.train_windows)
+    fitted_here = adapter is None
+    train = corpus.windows(train_files, config.window_bytes, config.train_windows) if fitted_here else []
     heldout = corpus.windows(heldout_files, config.window_bytes, config.heldout_windows)
-    if adapter is None:
+    if fitted_here:
         t0 = time.perf_counter()
         adapter = fit(pair, train, config, progress)
         timings["fit_seconds"] = time.perf_counter() - t0
@@ -305,6 +328,20 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
     scores = score(pair, adapter, heldout, config.continuation_share, config.tails, progress,
                    own_start=not config.converted_start)
     timings["score_seconds"] = time.perf_counter() - t1
+    long: Dict[str, Any] = {}
+    if config.long_window_bytes:
+        t1 = time.perf_counter()
+        windows = corpus.windows(heldout_files, config.long_window_bytes,
+                                 config.long_heldout_windows)
+        if not windows:
+            raise kvbridge.InvalidArgumentError(
+                f"no held-out file holds {config.long_window_bytes} bytes for the longer prompts' "
+                "check (--long-window-bytes; 0 leaves it out)")
+        long_scores = score(pair, adapter, windows, long_continuation_share(config),
+                            config.tails, progress, own_start=not config.converted_start)
+        long = {"window_bytes": config.long_window_bytes, "heldout_windows": len(windows),
+                "tails": {str(r): v for r, v in long_scores.items()}}
+        timings["long_score_seconds"] = time.perf_counter() - t1
     long_text = "\n".join(corpus.read_text(p) for p in heldout_files[:8])
     prompts = [prompt_of_tokens(pair.target, long_text, n) for n in config.ttft_tokens]
     t2 = time.perf_counter()
@@ -314,10 +351,12 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
         "config": asdict(config),
         "models": {"source": model_record(pair.source), "target": model_record(pair.target)},
         "text": {"train": corpus.describe(train_files), "heldout": corpus.describe(heldout_files),
-                 "train_windows": len(train), "heldout_windows": len(heldout),
+                 "fitted_here": fitted_here, "train_windows": len(train),
+                 "heldout_windows": len(heldout),
                  "heldout_files": [p.name for p in heldout_files]},
         "adapter": {**layer_r2(adapter), "report": adapter.report},
         "tails": {str(r): v for r, v in scores.items()},
+        **({"long": long} if long else {}),
         "ttft": {"rows": ttft, "threads": torch.get_num_threads()},
         "timings": timings,
         "kvbridge_version": kvbridge.__version__,
@@ -326,20 +365,34 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
     return results, adapter
 
 
-def format_table(results: Dict[str, Any]) -> str:
-    m, t, cfg = results["models"], results["text"], results["config"]
-    lines = [f"{m['source']['name']} -> {m['target']['name']}: fitted on {t['train_windows']} windows "
-             f"of {cfg['window_bytes']} bytes from {t['train']['files']} files, scored on "
-             f"{t['heldout_windows']} windows of {t['heldout']['files']} held-out files "
-             f"(continuation: the last {cfg['continuation_share']:g} of each); alignment "
-             f"{cfg['policy']}, source layers {cfg['source_layers']}", ""]
-    lines.append("| tail recomputed | share of prompt computed | kept | agreement | L_own | L_conv | "
-                 "L_none | continuation tokens |")
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r, v in results["tails"].items():
+def curve_table(tails: Dict[str, Dict[str, Any]]) -> List[str]:
+    lines = ["| tail recomputed | share of prompt computed | kept | agreement | L_own | L_conv | "
+             "L_none | continuation tokens |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r, v in tails.items():
         lines.append(f"| {r} | {v['recomputed_share']:.3f} | {v['kept']:.3f} | {v['agreement']:.3f} | "
                      f"{v['loss_own']:.3f} | {v['loss_conv']:.3f} | {v['loss_none']:.3f} | "
                      f"{v['tokens']} |")
+    return lines
+
+
+def format_table(results: Dict[str, Any]) -> str:
+    m, t, cfg = results["models"], results["text"], results["config"]
+    fitted = (f"fitted on {t['train_windows']} windows of {cfg['window_bytes']} bytes from "
+              f"{t['train']['files']} files" if t["fitted_here"]
+              else "a given adapter (not fitted in this run)")
+    lines = [f"{m['source']['name']} -> {m['target']['name']}: {fitted}, scored on "
+             f"{t['heldout_windows']} windows of {cfg['window_bytes']} bytes from "
+             f"{t['heldout']['files']} held-out files "
+             f"(continuation: the last {cfg['continuation_share']:g} of each); alignment "
+             f"{cfg['policy']}, source layers {cfg['source_layers']}", ""]
+    lines += curve_table(results["tails"])
+    if "long" in results:
+        long = results["long"]
+        first = next(iter(long["tails"].values()))
+        lines += ["", f"Longer prompts: {long['heldout_windows']} windows of "
+                  f"{long['window_bytes']} bytes from the same held-out files (mean prompt "
+                  f"{first['prompt_tokens'] / first['windows']:.0f} tokens)", ""]
+        lines += curve_table(long["tails"])
     a = results["adapter"]
     mean = lambda xs: sum(xs) / len(xs)
     lines += ["", f"held-out R² of the fit: mean K {mean(a['r2_key']):.3f}, mean V "
@@ -375,6 +428,13 @@ def plot(results: Dict[str, Any], path: str) -> None:
     share = [v["recomputed_share"] for v in tails.values()]
     ax_curve.plot(share, [v["kept"] for v in tails.values()], marker="o", label="kept")
     ax_curve.plot(share, [v["agreement"] for v in tails.values()], marker="s", label="agreement")
+    if "long" in results:
+        long = results["long"]["tails"].values()
+        share_long = [v["recomputed_share"] for v in long]
+        ax_curve.plot(share_long, [v["kept"] for v in long], marker="o", linestyle=":",
+                      label=f"kept, {results['long']['window_bytes']}-byte windows")
+        ax_curve.plot(share_long, [v["agreement"] for v in long], marker="s", linestyle=":",
+                      label=f"agreement, {results['long']['window_bytes']}-byte windows")
     for r, v in tails.items():
         ax_curve.annotate(f"tail {r}", (v["recomputed_share"], v["kept"]), fontsize=7)
     ax_curve.axhline(1.0, color="gray", linewidth=0.8)
@@ -402,10 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "from the measured tails")
     p.add_argument("--agreement-goal", type=float, default=DEFAULT_AGREEMENT_GOAL,
                    help="the saved adapter's recorded recompute_tail is the least measured tail "
-                   "whose agreement reaches this (else the largest measured, with a note)")
+                   "whose agreement reaches this at both prompt lengths (else the largest "
+                   "measured, with a note)")
     p.add_argument("--adapter", metavar="PATH", help="score this adapter instead of fitting one")
     p.add_argument("--window-bytes", type=at_least(64), default=d.window_bytes)
     p.add_argument("--continuation-share", type=float, default=d.continuation_share)
+    p.add_argument("--long-window-bytes", type=at_least(0), default=d.long_window_bytes,
+                   help="also score the curve on held-out windows of this many bytes (longer "
+                   "prompts), and record the serving tail that reaches the agreement goal on "
+                   "both lengths; 0: one length only")
+    p.add_argument("--long-heldout-windows", type=at_least(1), default=d.long_heldout_windows)
     p.add_argument("--train-windows", type=at_least(1), default=d.train_windows)
     p.add_argument("--heldout-windows", type=at_least(1), default=d.heldout_windows)
     p.add_argument("--policy", default=d.policy, choices=list(kvbridge.ALIGN_POLICIES))
@@ -440,7 +506,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         policy=args.policy, source_layers=args.source_layers,
                         tails=list(args.tails), ttft_tokens=list(args.ttft_tokens),
                         ttft_repeats=args.ttft_repeats, converted_start=args.converted_start,
-                        token_codes=args.token_codes, seed=args.seed)
+                        token_codes=args.token_codes,
+                        long_window_bytes=args.long_window_bytes,
+                        long_heldout_windows=args.long_heldout_windows, seed=args.seed)
     set_threads(args.threads)
     files = [pathlib.Path(f) for f in args.text] if args.text else corpus.default_files()
     missing = [str(f) for f in files if not f.is_file()]

@@ -8,8 +8,8 @@ connector registers, which all share the served model's tokenizer:
 - candidates: the model's own cached prefix ``p_T`` and, for every registered adapter to
   exactly this spec with the same non-empty tokenizer id, quality >= ``bridge.min_quality``
   and enabled (``bridge.adapter_health()``), its source's cached prefix ``p_S``, cut to
-  ``n - 1 - r`` when the adapter's tail ``r = bridge.recompute_tail_for(adapter)`` is > 0 (the
-  Bridge's option, or the adapter's recorded serving tail);
+  ``n - 1 - r`` when the adapter's tail ``r = bridge.recompute_tail_for(adapter, n)`` is > 0
+  (the Bridge's option, or the adapter's recorded serving tail for an n-token prompt);
 - the longest wins; a converted one must be strictly longer than the native one; ties go to
   the higher quality, then to the earlier registered adapter;
 - native tokens ``[0, p_T)`` are kept as stored, source tokens ``[p_T, p_S)`` are converted
@@ -114,7 +114,7 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
         # Written-back entries keep their adapter's tail. The Bridge never cuts the model's own
         # chunks before them; Python's Match does not say where they end, so cut it all (the
         # safe side: less served, never a converted token inside the tail).
-        tail = tail_of(bridge, native.adapter)
+        tail = tail_of(bridge, native.adapter, n)
         if tail > 0:
             native_len = max(0, min(native_len, limit - tail))
 
@@ -130,7 +130,7 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
             probe = store.match(adapter.source, tokens, namespace, return_kv=False)
             if bridge.adapter_dropped(probe.adapter):
                 continue
-            length = converted_end(probe.tokens, bridge.recompute_tail_for(adapter))
+            length = converted_end(probe.tokens, bridge.recompute_tail_for(adapter, n))
             if length <= native_len:
                 continue
             if best is not None and (length < best[2] or (length == best[2] and
@@ -143,7 +143,7 @@ def load(bridge: Bridge, spec: _core.ModelSpec, tokens: Sequence[int], namespace
         # Read again with the KV: another process may have evicted part of it since the probe.
         found = store.match(adapter.source, tokens, namespace, device=device)
         converted_len = converted_rows(0 if bridge.adapter_dropped(found.adapter)
-                                       else found.tokens, bridge.recompute_tail_for(adapter))
+                                       else found.tokens, bridge.recompute_tail_for(adapter, n))
         end = min(converted_len, limit)
         converted = None
         if end > native_len:
@@ -193,14 +193,15 @@ def loads_on_host(bridge: Bridge, spec: _core.ModelSpec) -> bool:
                for a in bridge.adapters())
 
 
-def tail_of(bridge: Bridge, adapter_fingerprint: str) -> int:
-    """The tail of entries whose provenance names this adapter (as the Bridge's: the option, or
-    the registered adapter's recorded tail, 0 for one not registered)."""
+def tail_of(bridge: Bridge, adapter_fingerprint: str, prompt_tokens: int) -> int:
+    """The tail, for a prompt of `prompt_tokens` tokens, of entries whose provenance names this
+    adapter (as the Bridge's: the option, or the registered adapter's recorded tail for that
+    length, 0 for one not registered)."""
     if bridge.recompute_tail >= 0:
         return bridge.recompute_tail
     for adapter in bridge.adapters():
         if adapter.fingerprint == adapter_fingerprint:
-            return bridge.recompute_tail_for(adapter)
+            return bridge.recompute_tail_for(adapter, prompt_tokens)
     return 0
 
 

@@ -151,7 +151,7 @@ class SchedulerSide:
         if found.adapter and native:
             # Written-back entries keep their adapter's tail, as the worker's load
             # (device_load.load) cuts them: promise no more than it will load.
-            tail = device_load.tail_of(bridge, found.adapter)
+            tail = device_load.tail_of(bridge, found.adapter, len(tokens))
             if tail > 0:
                 native = best = max(0, min(native, limit - tail))
         origin = (found.converted_from, found.adapter) if native else ("", "")
@@ -161,7 +161,7 @@ class SchedulerSide:
                 continue  # another tokenizer's ids: probed below
             source = store.match(adapter.source, tokens, ns, return_kv=False)
             length = 0 if bridge.adapter_dropped(source.adapter) else source.tokens
-            tail = bridge.recompute_tail_for(adapter)
+            tail = bridge.recompute_tail_for(adapter, len(tokens))
             if tail > 0:  # the adapter's tail stays with the engine
                 length = min(length, limit - tail)
             if length > best:
