@@ -41,7 +41,7 @@ SERVING_WINDOWS = 8
 #: Longer windows (RealConfig.long_window_bytes) the serving tail must also hold on: the demo
 #: serves prompts of 1,000 and 2,000 tokens, and a tail agrees less on longer prompts.
 SERVING_LONG_WINDOWS = 4
-SERVING_TAILS = (0, 16, 32, 64, 128, 256)
+SERVING_TAILS = (0, 16, 32, 64, 128, 256, 512)
 DEFAULT_TARGET = "gemma3-270m"
 
 

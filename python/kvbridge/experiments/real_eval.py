@@ -83,7 +83,7 @@ class RealConfig:
     heldout_share: float = 0.25
     policy: str = "covering"
     source_layers: str = "auto"        # "auto" (the fitter's default), "all" or k: k nearest in depth
-    tails: List[int] = field(default_factory=lambda: [0, 16, 32, 64, 128, 256])
+    tails: List[int] = field(default_factory=lambda: [0, 16, 32, 64, 128, 256, 512])
     ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
     ttft_repeats: int = 3
     converted_start: bool = False      # ablation: the start token's KV converted too
