@@ -68,7 +68,8 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
     if path.is_file():
         adapter = kvbridge.LinearAdapter.load(str(path))
         if adapter.serving is not None:
-            log(f"adapter: {path} (serving recompute_tail {adapter.serving['recompute_tail']})")
+            log(f"adapter: {path} (serving recompute_tail {adapter.serving['recompute_tail']}, "
+                f"recompute_share {adapter.serving['recompute_share']:.4g})")
             return adapter
         log(f"adapter: {path} records no serving defaults; fitting again")
     train_files, heldout_files = corpus.split_files(corpus.default_files(), config.heldout_share,
@@ -98,7 +99,8 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
     adapter.save(str(tmp))
     os.replace(tmp, path)
     log(f"adapter: fitted and measured in {time.perf_counter() - t0:.0f} s; serving "
-        f"recompute_tail {adapter.serving['recompute_tail']} ({adapter.serving['note']})")
+        f"recompute_tail {adapter.serving['recompute_tail']}, recompute_share "
+        f"{adapter.serving['recompute_share']:.4g} ({adapter.serving['note']})")
     return adapter
 
 

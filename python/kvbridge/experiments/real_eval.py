@@ -525,7 +525,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         save_adapter(adapter, args.save_adapter)
         results["saved_adapter"] = args.save_adapter
         print(f"saved the adapter to {args.save_adapter} (serving: recompute_tail "
-              f"{serving['recompute_tail']}; {serving['note']})")
+              f"{serving['recompute_tail']}, recompute_share {serving['recompute_share']:.4g}; "
+              f"{serving['note']})")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
