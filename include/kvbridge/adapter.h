@@ -176,9 +176,9 @@ struct ServingPoint {
 /// How an adapter should be served, recorded from its held-out evaluation (kvbridge eval
 /// --save-adapter, the real-pair eval): the least tail recompute that reached an agreement goal,
 /// and the curve it was chosen from. Bridge uses tail_for(n) for loads of n-token prompts
-/// converted by the adapter unless BridgeOptions::recompute_tail says otherwise. Stored in the adapter file as the
-/// optional metadata key "serving" (docs/adapter_file.md): files without it load with nothing
-/// recorded. It is covered by the file's checksum but not by LinearAdapter::fingerprint(), which
+/// converted by the adapter unless BridgeOptions::recompute_tail says otherwise. Stored in the
+/// adapter file as the optional metadata key "serving" (docs/adapter_file.md): files without it
+/// load with nothing recorded. It is covered by the file's checksum but not by LinearAdapter::fingerprint(), which
 /// identifies the conversion (weights, specs, layer map, report): setting it changes no
 /// conversion and no provenance.
 struct ServingDefaults {
@@ -220,8 +220,9 @@ class LinearAdapter {
   /// stored as given. Thread-safe, also while a Bridge serves the adapter: loads that start
   /// after it returns use the new tail. save() writes it; fingerprint() does not change.
   /// Throws InvalidArgument, changing nothing, for a recompute_tail < 0, a recompute_share
-  /// outside [0, 1], an agreement_goal outside [0, 1] (NaN allowed), or a point with a negative tail or prompt_tokens, an infinite
-  /// kept, or an agreement or computed_share outside [0, 1] (NaN allowed).
+  /// outside [0, 1], an agreement_goal outside [0, 1] (NaN allowed), or a point with a negative
+  /// tail or prompt_tokens, an infinite kept, or an agreement or computed_share outside [0, 1]
+  /// (NaN allowed).
   void set_serving(const ServingDefaults& serving);
 
   /// Converts a source KV cache to the target's, on the CPU or on a CUDA device (the views'

@@ -27,11 +27,11 @@
 //    the native one after that cut. r is per adapter and prompt length (recompute_tail(adapter,
 //    n)): the adapter's recorded serving defaults (LinearAdapter::serving().tail_for(n),
 //    measured by its evaluation: a fixed tail, or a share of a longer prompt) unless
-//    BridgeOptions::recompute_tail >= 0 fixes it for every adapter and length. The target's own entries are
-//    never cut; a native prefix holding entries a conversion wrote back (their provenance names
-//    an adapter) is cut to max(its own-KV part, n - 1 - r), r the tail of the adapter the first
-//    such entry names (0 when that adapter is not registered here and no option fixes r), so a
-//    shorter prompt over a written-back prefix keeps the same promise. Load::recompute_tail()
+//    BridgeOptions::recompute_tail >= 0 fixes it for every adapter and length. The target's own
+//    entries are never cut; a native prefix holding entries a conversion wrote back (their
+//    provenance names an adapter) is cut to max(its own-KV part, n - 1 - r), r the tail for n of
+//    the adapter the first such entry names (0 when that adapter is not registered here and no
+//    option fixes r), so a shorter prompt over a written-back prefix keeps the same promise. Load::recompute_tail()
 //    says which r a load applied.
 //
 //  - The start token: at position 0 a causal model's KV depends on that token alone, and it is

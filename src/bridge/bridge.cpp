@@ -149,7 +149,8 @@ double Bridge::quality(const LinearAdapter& adapter) {
 }
 
 int64_t Bridge::recompute_tail(const LinearAdapter& adapter, int64_t prompt_tokens) const {
-  KVB_CHECK(prompt_tokens >= 0, "recompute_tail: prompt_tokens must be >= 0, got " << prompt_tokens);
+  KVB_CHECK(prompt_tokens >= 0,
+            "recompute_tail: prompt_tokens must be >= 0, got " << prompt_tokens);
   return impl_->tail_of(adapter, prompt_tokens);
 }
 

@@ -920,7 +920,8 @@ TEST_F(BridgeTest, ServingDefaultsRoundTripThroughTheAdapterFile) {
   // A record written before recompute_share existed serves its tail alone.
   text = "{\"recompute_tail\":3,\"agreement_goal\":null,\"measured\":[],\"note\":\"\"}";
   io::write_safetensors(dir.path + "/old.safetensors", tensors, file.metadata);
-  const ServingDefaults old = LinearAdapter::load(dir.path + "/old.safetensors", unchecked).serving();
+  const ServingDefaults old =
+      LinearAdapter::load(dir.path + "/old.safetensors", unchecked).serving();
   EXPECT_EQ(old.recompute_share, 0.0);
   EXPECT_EQ(old.tail_for(100000), 3);
 

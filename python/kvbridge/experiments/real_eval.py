@@ -318,7 +318,8 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
                                             f"and {len(heldout_files)} held-out files; both need some")
     timings: Dict[str, float] = {}
     fitted_here = adapter is None
-    train = corpus.windows(train_files, config.window_bytes, config.train_windows) if fitted_here else []
+    train = (corpus.windows(train_files, config.window_bytes, config.train_windows)
+             if fitted_here else [])
     heldout = corpus.windows(heldout_files, config.window_bytes, config.heldout_windows)
     if fitted_here:
         t0 = time.perf_counter()
