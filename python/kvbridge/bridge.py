@@ -37,8 +37,9 @@ class Load:
         hit on entries an earlier conversion wrote back (converted is False then); "" when every
         token is the model's own KV.
     recompute_tail: the tail recompute r the load applied (Bridge.recompute_tail_for of the
-        adapter that converted, or that written-back entries name): the model computes the
-        prompt's last r + 1 tokens itself. 0 when every token is the model's own KV.
+        adapter that converted, or that written-back entries name, for this prompt's length):
+        the model computes the prompt's last r + 1 tokens itself. 0 when every token is the
+        model's own KV.
     """
 
     tokens: int

@@ -18,7 +18,8 @@ from kvbridge._core import InvalidArgumentError
 #: adapter whose rolling shadow-check agreement falls below min_agreement is disabled.
 QUALITY_KEYS = ("min_agreement", "check_window", "min_checks")
 #: The Bridge's serving options the connector passes through. recompute_tail not given: the
-#: Bridge's default, -1, each adapter's own recorded tail (LinearAdapter.serving, 0 without one).
+#: Bridge's default, -1, each adapter's own recorded tail for the prompt's length
+#: (LinearAdapter.serving, 0 without one).
 SERVING_KEYS = ("recompute_tail",)
 CONNECTOR_KEYS = ("namespace", "adapters", "tokenizers", "min_quality", "write_back", "model_name",
                   "version", "tokenizer", "layout") + QUALITY_KEYS + SERVING_KEYS
