@@ -129,8 +129,8 @@ class Load {
   const std::string& converted_from() const noexcept { return converted_from_; }
   const std::string& adapter() const noexcept { return adapter_; }
   /// The tail recompute this load applied (Bridge::recompute_tail of the adapter that converted,
-  /// or that written-back entries name, for this prompt's length): the target computes the prompt's last r + 1 tokens
-  /// itself. 0 when every token is the target's own KV, and on a miss.
+  /// or that written-back entries name, for this prompt's length): the target computes the
+  /// prompt's last r + 1 tokens itself. 0 when every token is the target's own KV, and on a miss.
   int64_t recompute_tail() const noexcept { return recompute_tail_; }
   explicit operator bool() const noexcept { return tokens_ > 0; }
 
