@@ -178,9 +178,9 @@ struct ServingPoint {
 /// and the curve it was chosen from. Bridge uses tail_for(n) for loads of n-token prompts
 /// converted by the adapter unless BridgeOptions::recompute_tail says otherwise. Stored in the
 /// adapter file as the optional metadata key "serving" (docs/adapter_file.md): files without it
-/// load with nothing recorded. It is covered by the file's checksum but not by LinearAdapter::fingerprint(), which
-/// identifies the conversion (weights, specs, layer map, report): setting it changes no
-/// conversion and no provenance.
+/// load with nothing recorded. It is covered by the file's checksum but not by
+/// LinearAdapter::fingerprint(), which identifies the conversion (weights, specs, layer map,
+/// report): setting it changes no conversion and no provenance.
 struct ServingDefaults {
   bool recorded = false;       ///< false: nothing recorded (the other fields are their defaults)
   int64_t recompute_tail = 0;  ///< the tail to serve with, >= 0

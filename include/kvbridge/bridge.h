@@ -31,8 +31,8 @@
 //    entries are never cut; a native prefix holding entries a conversion wrote back (their
 //    provenance names an adapter) is cut to max(its own-KV part, n - 1 - r), r the tail for n of
 //    the adapter the first such entry names (0 when that adapter is not registered here and no
-//    option fixes r), so a shorter prompt over a written-back prefix keeps the same promise. Load::recompute_tail()
-//    says which r a load applied.
+//    option fixes r), so a shorter prompt over a written-back prefix keeps the same promise.
+//    Load::recompute_tail() says which r a load applied.
 //
 //  - The start token: at position 0 a causal model's KV depends on that token alone, and it is
 //    the one every later token attends to most (the attention sink), where a conversion's error
