@@ -81,18 +81,12 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
     adapter = real_eval.fit(pair, texts, config, progress=True)
     # Its serving defaults, measured on held-out windows as the eval does, so that the Bridge
     # serves it with the tail that reaches the stated agreement (LinearAdapter.serving).
-    curves = {}
-    for window_bytes, count, share in (
-            (config.window_bytes, SERVING_WINDOWS, config.continuation_share),
-            (config.long_window_bytes, SERVING_LONG_WINDOWS,
-             config.long_window_bytes and real_eval.long_continuation_share(config))):
-        if window_bytes:
-            heldout = corpus.windows(heldout_files, window_bytes, count)
-            scores = real_eval.score(pair, adapter, heldout, share, SERVING_TAILS, progress=True)
-            curves[window_bytes] = {str(r): v for r, v in scores.items()}
-    results = {"tails": curves.pop(config.window_bytes)}
-    if curves:
-        results["long"] = {"tails": curves.popitem()[1]}
+    heldout = corpus.windows(heldout_files, config.window_bytes, SERVING_WINDOWS)
+    scores = real_eval.score(pair, adapter, heldout, config.continuation_share, SERVING_TAILS,
+                             progress=True)
+    results = {"tails": {str(r): v for r, v in scores.items()},
+               **real_eval.score_long(pair, adapter, heldout_files, config, SERVING_TAILS,
+                                      SERVING_LONG_WINDOWS)}
     adapter.serving = real_eval.serving_record(results, real_eval.DEFAULT_AGREEMENT_GOAL)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")

@@ -257,6 +257,25 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
             for r, s in sums.items()}
 
 
+def score_long(pair: Pair, adapter: kvbridge.LinearAdapter, heldout_files: Sequence[pathlib.Path],
+               config: RealConfig, tails: Sequence[int], count: int,
+               progress: bool = True) -> Dict[str, Any]:
+    """The longer prompts' curve (module docstring), as results.json holds it: {"long":
+    {"window_bytes", "heldout_windows", "tails"}}, which serving_record takes; {} when
+    config.long_window_bytes is 0. `count` windows of held-out files."""
+    if not config.long_window_bytes:
+        return {}
+    windows = corpus.windows(heldout_files, config.long_window_bytes, count)
+    if not windows:
+        raise kvbridge.InvalidArgumentError(
+            f"no held-out file holds {config.long_window_bytes} bytes for the longer prompts' "
+            "check (--long-window-bytes; 0 leaves it out)")
+    scores = score(pair, adapter, windows, long_continuation_share(config), tails, progress,
+                   own_start=not config.converted_start)
+    return {"long": {"window_bytes": config.long_window_bytes, "heldout_windows": len(windows),
+                     "tails": {str(r): v for r, v in scores.items()}}}
+
+
 def prompt_of_tokens(model: models.LoadedModel, text: str, tokens: int) -> str:
     """The longest prefix of `text` (cut at a line end where one is near) that the model
     tokenizes into at most `tokens` tokens."""
@@ -329,19 +348,10 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
     scores = score(pair, adapter, heldout, config.continuation_share, config.tails, progress,
                    own_start=not config.converted_start)
     timings["score_seconds"] = time.perf_counter() - t1
-    long: Dict[str, Any] = {}
-    if config.long_window_bytes:
-        t1 = time.perf_counter()
-        windows = corpus.windows(heldout_files, config.long_window_bytes,
-                                 config.long_heldout_windows)
-        if not windows:
-            raise kvbridge.InvalidArgumentError(
-                f"no held-out file holds {config.long_window_bytes} bytes for the longer prompts' "
-                "check (--long-window-bytes; 0 leaves it out)")
-        long_scores = score(pair, adapter, windows, long_continuation_share(config),
-                            config.tails, progress, own_start=not config.converted_start)
-        long = {"window_bytes": config.long_window_bytes, "heldout_windows": len(windows),
-                "tails": {str(r): v for r, v in long_scores.items()}}
+    t1 = time.perf_counter()
+    long = score_long(pair, adapter, heldout_files, config, config.tails,
+                      config.long_heldout_windows, progress)
+    if long:
         timings["long_score_seconds"] = time.perf_counter() - t1
     long_text = "\n".join(corpus.read_text(p) for p in heldout_files[:8])
     prompts = [prompt_of_tokens(pair.target, long_text, n) for n in config.ttft_tokens]
@@ -357,7 +367,7 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
                  "heldout_files": [p.name for p in heldout_files]},
         "adapter": {**layer_r2(adapter), "report": adapter.report},
         "tails": {str(r): v for r, v in scores.items()},
-        **({"long": long} if long else {}),
+        **long,
         "ttft": {"rows": ttft, "threads": torch.get_num_threads()},
         "timings": timings,
         "kvbridge_version": kvbridge.__version__,
@@ -541,4 +551,5 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
 __all__ = ["DEFAULT_AGREEMENT_GOAL", "HeldOutWindow", "Pair", "RealConfig", "converted", "evaluate", "fit",
            "format_table", "heldout_windows", "main", "measure_ttft", "nearest_layers",
-           "no_windows", "prompt_of_tokens", "score", "serving_record"]
+           "long_continuation_share", "no_windows", "prompt_of_tokens", "score", "score_long",
+           "serving_record"]
