@@ -155,15 +155,19 @@ def test_adapter_file_keeps_per_layer_attention(smollm2, gemma, tmp_path):
 
 def test_eval_command_on_a_real_pair(tmp_path, capsys):
     """`kvbridge eval --source S --target T` dispatches real models to the real-pair eval and
-    writes its table, results.json (held-out files disjoint from training ones) and eval.png."""
+    writes its table, results.json (held-out files disjoint from training ones) and eval.png;
+    the saved adapter holds the serving record, and the TTFT rows time the tail the Bridge
+    serves under it."""
     from kvbridge import cli
 
     out = tmp_path / "out"
+    saved = tmp_path / "a.safetensors"
     text = sorted(corpus.stdlib_files())[:24]
     rc = cli.main(["eval", "--source", "smollm2-135m", "--target", "gemma3-270m", "--text",
                    *map(str, text), "--window-bytes", "512", "--train-windows", "6",
                    "--heldout-windows", "2", "--source-layers", "1", "--tails", "0", "8",
-                   "--ttft-tokens", "48", "--ttft-repeats", "1", "--quiet", "--out", str(out)])
+                   "--ttft-tokens", "48", "--ttft-repeats", "1", "--quiet", "--out", str(out),
+                   "--agreement-goal", "1.0", "--save-adapter", str(saved)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "smollm2-135m -> gemma3-270m" in printed and "| tail recomputed |" in printed
@@ -177,6 +181,15 @@ def test_eval_command_on_a_real_pair(tmp_path, capsys):
         assert v["loss_own"] < v["loss_none"] and 0 < v["recomputed_share"] < 1
     assert results["tails"]["8"]["recomputed_share"] > results["tails"]["0"]["recomputed_share"]
     assert (out / "eval.png").stat().st_size > 0
+    # Goal 1.0 is out of reach: the record takes the largest tail measured, and the share that
+    # covers the longer prompts' largest tail, so the TTFT prompt gets a tail above 0.
+    adapter = kvbridge.LinearAdapter.load(str(saved))
+    assert adapter.serving == results["serving"] and adapter.serving["recompute_tail"] == 8
+    bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 20))
+    (row,) = results["ttft"]["rows"]
+    assert row["served_tail"] == bridge.recompute_tail_for(adapter, row["target_tokens"]) >= 8
+    assert row["served_ms"] > 0 and row["served_ratio"] == row["own_ms"] / row["served_ms"]
+    assert f"| {row['served_tail']} |" in printed
 
 
 def test_folders_of_an_older_layout_are_converted_again(tmp_path, monkeypatch):

@@ -37,10 +37,16 @@ the main windows' (``--long-window-bytes 0``: not). The same continuation agrees
 converted cache after a longer prompt, so the serving record saved with ``--save-adapter`` must
 reach the agreement goal at both lengths.
 
+Serving record. The least measured tail whose agreement reaches ``agreement_goal`` at both
+prompt lengths (serving_record); evaluate() records it on the adapter (LinearAdapter.serving),
+so that ``--save-adapter`` saves it and kvbridge.Bridge serves with it.
+
 TTFT ratio. For prompts of about ``ttft_tokens`` target tokens cut from held-out text: the
 target's own prefill and first token, against aligning both tokenizations, converting the
-source's cache (as a store would hold it) and the target's forward of the rest; medians over
-alternating repeats after a warm-up, in one process.
+source's cache (as a store would hold it) and the target's forward of the rest; once with no
+tail recompute and once with the tail kvbridge.Bridge serves under the record
+(Bridge.recompute_tail_for: that prompt's length decides it), whose conversion covers only the
+tokens before the tail. Medians over alternating repeats after a warm-up, in one process.
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ import os
 import pathlib
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -70,6 +76,10 @@ from kvbridge.hf import forward, prefix_kv
 class Pair:
     source: models.LoadedModel
     target: models.LoadedModel
+
+
+#: --agreement-goal's default.
+DEFAULT_AGREEMENT_GOAL = 0.85
 
 
 @dataclass
@@ -94,11 +104,9 @@ class RealConfig:
     # the same tail agrees less after a longer converted prompt (record 255). 0: one length.
     long_window_bytes: int = 6144
     long_heldout_windows: int = 12
+    # The serving record (serving_record) is the least measured tail reaching this agreement.
+    agreement_goal: float = DEFAULT_AGREEMENT_GOAL
     seed: int = 0
-
-
-#: --agreement-goal's default.
-DEFAULT_AGREEMENT_GOAL = 0.85
 
 
 def serving_record(results: Dict[str, Any], agreement_goal: float) -> Dict[str, Any]:
@@ -289,31 +297,49 @@ def prompt_of_tokens(model: models.LoadedModel, text: str, tokens: int) -> str:
 @torch.no_grad()
 def measure_ttft(pair: Pair, adapter: kvbridge.LinearAdapter, prompts: Sequence[str],
                  repeats: int) -> List[Dict[str, Any]]:
-    """Own prefill vs converted cache, per prompt (module docstring)."""
+    """Own prefill vs converted cache, per prompt (module docstring): with no tail, and, when
+    the adapter has a serving record, with the tail the Bridge serves for that prompt's length
+    ("served_*" keys; the same as no tail where that tail is 0)."""
     src_m, tgt_m = pair.source, pair.target
     start = start_kv(tgt_m)  # registered once, as with Bridge.add_start
+    # The Bridge's own rule for the tail of a prompt's length (no store use; any store will do).
+    bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 20))
     rows = []
     for prompt in prompts:
+        n = len(encode(tgt_m, prompt).ids)
         src_kv = prefix_kv(src_m.model, encode(src_m, prompt).ids)  # as a store holds it
         out: Dict[str, int] = {}
 
         def own():
             out["own"] = next_token(tgt_m.model, encode(tgt_m, prompt).ids)
 
-        def converted():
-            src, tgt = encode(src_m, prompt), encode(tgt_m, prompt)
-            m = len(tgt.ids) - 1
-            cached = eval_cross.Encoded(tgt.ids[:m], tgt.offsets[:m], tgt.roles[:m])
-            index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src, cached)
-            kv = with_own_start(adapter.convert(src_kv, alignment=index, target_ids=cached.ids),
-                                start)
-            out["converted"] = next_token(tgt_m.model, tgt.ids[m:], kv)
+        def with_tail(tail: int, name: str) -> Callable[[], None]:
+            def run() -> None:
+                src, tgt = encode(src_m, prompt), encode(tgt_m, prompt)
+                keep = max(1, len(tgt.ids) - 1 - tail)  # the start token comes from the cache
+                cached = eval_cross.Encoded(tgt.ids[:keep], tgt.offsets[:keep],
+                                            tgt.roles[:keep])
+                index, _ = eval_cross.alignment(adapter.alignment_policy or "covering", src,
+                                                cached)
+                kv = with_own_start(adapter.convert(src_kv, alignment=index,
+                                                    target_ids=cached.ids), start)
+                out[name] = next_token(tgt_m.model, tgt.ids[keep:], kv)
+            return run
 
-        a, times = alternate_timings(own, {"converted": converted}, repeats)
+        paths = {"converted": with_tail(0, "converted")}
+        served_tail = bridge.recompute_tail_for(adapter, n) if adapter.serving else 0
+        if served_tail:
+            paths["served"] = with_tail(served_tail, "served")
+        a, times = alternate_timings(own, paths, repeats)
         b = times["converted"]
-        rows.append({"target_tokens": len(encode(tgt_m, prompt).ids), "own_ms": 1e3 * a,
-                     "converted_ms": 1e3 * b, "ratio": a / b,
-                     "same_first_token": out["own"] == out["converted"]})
+        row = {"target_tokens": n, "own_ms": 1e3 * a, "converted_ms": 1e3 * b, "ratio": a / b,
+               "same_first_token": out["own"] == out["converted"]}
+        if adapter.serving:
+            c = times.get("served", b)
+            row.update({"served_tail": served_tail, "served_ms": 1e3 * c, "served_ratio": a / c,
+                        "served_same_first_token": out["own"] == out.get("served",
+                                                                         out["converted"])})
+        rows.append(row)
     return rows
 
 
@@ -330,7 +356,7 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
              adapter: Optional[kvbridge.LinearAdapter] = None,
              progress: bool = True) -> Tuple[Dict[str, Any], kvbridge.LinearAdapter]:
     """Fits (unless given an adapter) and scores; returns results.json's content and the
-    adapter."""
+    adapter, its serving record (LinearAdapter.serving) set from this run's curves."""
     train_files, heldout_files = corpus.split_files(files, config.heldout_share, config.seed)
     if not train_files or not heldout_files:
         raise kvbridge.InvalidArgumentError(f"text: {len(files)} files split into {len(train_files)} training "
@@ -353,6 +379,9 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
                       config.long_heldout_windows, progress)
     if long:
         timings["long_score_seconds"] = time.perf_counter() - t1
+    tails = {str(r): v for r, v in scores.items()}
+    serving = serving_record({"tails": tails, **long}, config.agreement_goal)
+    adapter.serving = serving
     long_text = "\n".join(corpus.read_text(p) for p in heldout_files[:8])
     prompts = [prompt_of_tokens(pair.target, long_text, n) for n in config.ttft_tokens]
     t2 = time.perf_counter()
@@ -366,8 +395,9 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
                  "heldout_windows": len(heldout),
                  "heldout_files": [p.name for p in heldout_files]},
         "adapter": {**layer_r2(adapter), "report": adapter.report},
-        "tails": {str(r): v for r, v in scores.items()},
+        "tails": tails,
         **long,
+        "serving": serving,
         "ttft": {"rows": ttft, "threads": torch.get_num_threads()},
         "timings": timings,
         "kvbridge_version": kvbridge.__version__,
@@ -408,14 +438,22 @@ def format_table(results: Dict[str, Any]) -> str:
     mean = lambda xs: sum(xs) / len(xs)
     lines += ["", f"held-out R² of the fit: mean K {mean(a['r2_key']):.3f}, mean V "
               f"{mean(a['r2_value']):.3f}, min {a['quality']:.3f}", ""]
-    lines.append(f"TTFT of {m['target']['name']} (threads {results['ttft']['threads']}): own prefill vs "
-                 "align + convert + forward of the last token")
+    s = results["serving"]
+    lines.append(f"Serving record (agreement goal {cfg['agreement_goal']:g}): recompute_tail "
+                 f"{s['recompute_tail']}, recompute_share {s['recompute_share']:.4g}; {s['note']}")
     lines.append("")
-    lines.append("| target tokens | own ms | converted ms | ratio | same first token |")
-    lines.append("|---:|---:|---:|---:|---|")
+    lines.append(f"TTFT of {m['target']['name']} (threads {results['ttft']['threads']}): own prefill vs "
+                 "align + convert + forward of the rest, with no tail and with the served one")
+    lines.append("")
+    lines.append("| target tokens | own ms | no tail: ms | ratio | same first token | served tail "
+                 "| ms | ratio | same first token |")
+    lines.append("|---:|---:|---:|---:|---|---:|---:|---:|---|")
+    yes = lambda b: "yes" if b else "no"
     for r in results["ttft"]["rows"]:
         lines.append(f"| {r['target_tokens']} | {r['own_ms']:.0f} | {r['converted_ms']:.0f} | "
-                     f"{r['ratio']:.2f}x | {'yes' if r['same_first_token'] else 'no'} |")
+                     f"{r['ratio']:.2f}x | {yes(r['same_first_token'])} | {r['served_tail']} | "
+                     f"{r['served_ms']:.0f} | {r['served_ratio']:.2f}x | "
+                     f"{yes(r['served_same_first_token'])} |")
     return "\n".join(lines)
 
 
@@ -472,9 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save the adapter here, with its serving defaults (LinearAdapter.serving) "
                    "from the measured tails")
     p.add_argument("--agreement-goal", type=float, default=DEFAULT_AGREEMENT_GOAL,
-                   help="the saved adapter's recorded recompute_tail is the least measured tail "
-                   "whose agreement reaches this at both prompt lengths (else the largest "
-                   "measured, with a note)")
+                   help="the serving record (the saved adapter's, and the tail the TTFT rows "
+                   "serve) is the least measured tail whose agreement reaches this at both "
+                   "prompt lengths (else the largest measured, with a note)")
     p.add_argument("--adapter", metavar="PATH", help="score this adapter instead of fitting one")
     p.add_argument("--window-bytes", type=at_least(64), default=d.window_bytes)
     p.add_argument("--continuation-share", type=float, default=d.continuation_share)
@@ -519,7 +557,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         ttft_repeats=args.ttft_repeats, converted_start=args.converted_start,
                         token_codes=args.token_codes,
                         long_window_bytes=args.long_window_bytes,
-                        long_heldout_windows=args.long_heldout_windows, seed=args.seed)
+                        long_heldout_windows=args.long_heldout_windows,
+                        agreement_goal=args.agreement_goal, seed=args.seed)
     set_threads(args.threads)
     files = [pathlib.Path(f) for f in args.text] if args.text else corpus.default_files()
     missing = [str(f) for f in files if not f.is_file()]
@@ -530,9 +569,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     adapter = kvbridge.LinearAdapter.load(args.adapter) if args.adapter else None
     results, adapter = evaluate(pair, config, files, adapter, progress=not args.quiet)
     if args.save_adapter:
-        serving = serving_record(results, args.agreement_goal)
-        adapter.serving = serving
-        results["serving"] = serving
+        serving = results["serving"]  # evaluate() recorded it on the adapter
         save_adapter(adapter, args.save_adapter)
         results["saved_adapter"] = args.save_adapter
         print(f"saved the adapter to {args.save_adapter} (serving: recompute_tail "
