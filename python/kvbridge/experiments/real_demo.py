@@ -35,13 +35,12 @@ from kvbridge.experiments.common import Sums, finite_or_null, int_at_least, set_
 from kvbridge.hf import forward, prefix_kv
 
 DEFAULT_SOURCE = "smollm2-135m"
-#: Held-out windows and tails a freshly fitted demo adapter is measured on for its serving
-#: defaults.
+#: Held-out windows a freshly fitted demo adapter is measured on for its serving defaults, at
+#: the eval's tails (RealConfig.tails).
 SERVING_WINDOWS = 8
 #: Longer windows (RealConfig.long_window_bytes) the serving tail must also hold on: the demo
 #: serves prompts of 1,000 and 2,000 tokens, and a tail agrees less on longer prompts.
 SERVING_LONG_WINDOWS = 4
-SERVING_TAILS = (0, 16, 32, 64, 128, 256, 512)
 DEFAULT_TARGET = "gemma3-270m"
 
 
@@ -55,10 +54,11 @@ def adapter_dir() -> pathlib.Path:
 def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: pathlib.Path,
                 log=print) -> kvbridge.LinearAdapter:
     """The adapter for this pair and fit setting: loaded when fitted before, else fitted and
-    saved (the file name binds both fingerprints and the setting)."""
+    saved (the file name binds both fingerprints and the setting: the fit's, and the tails and
+    goal its serving record is chosen by)."""
     setting = {k: getattr(config, k) for k in
                ("window_bytes", "train_windows", "heldout_share", "policy", "source_layers",
-                "token_codes", "long_window_bytes", "seed")}
+                "token_codes", "long_window_bytes", "tails", "agreement_goal", "seed")}
     # An adapter fitted before the fit took the target's key norm is not this setting's.
     setting["target_key_norm"] = hf.key_norm(pair.target.model) is not None
     setting = json.dumps(setting, sort_keys=True)
@@ -82,12 +82,12 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
     # Its serving defaults, measured on held-out windows as the eval does, so that the Bridge
     # serves it with the tail that reaches the stated agreement (LinearAdapter.serving).
     heldout = corpus.windows(heldout_files, config.window_bytes, SERVING_WINDOWS)
-    scores = real_eval.score(pair, adapter, heldout, config.continuation_share, SERVING_TAILS,
+    scores = real_eval.score(pair, adapter, heldout, config.continuation_share, config.tails,
                              progress=True)
     results = {"tails": {str(r): v for r, v in scores.items()},
-               **real_eval.score_long(pair, adapter, heldout_files, config, SERVING_TAILS,
+               **real_eval.score_long(pair, adapter, heldout_files, config, config.tails,
                                       SERVING_LONG_WINDOWS)}
-    adapter.serving = real_eval.serving_record(results, real_eval.DEFAULT_AGREEMENT_GOAL)
+    adapter.serving = real_eval.serving_record(results, config.agreement_goal)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     adapter.save(str(tmp))

@@ -93,7 +93,8 @@ class RealConfig:
     heldout_share: float = 0.25
     policy: str = "covering"
     source_layers: str = "auto"        # "auto" (the fitter's default), "all" or k: k nearest in depth
-    tails: List[int] = field(default_factory=lambda: [0, 16, 32, 64, 128, 256, 512])
+    # 384 besides 256 and 512: the longer prompts need a tail between them (record 260).
+    tails: List[int] = field(default_factory=lambda: [0, 16, 32, 64, 128, 256, 384, 512])
     ttft_tokens: List[int] = field(default_factory=lambda: [512, 2048])
     ttft_repeats: int = 3
     converted_start: bool = False      # ablation: the start token's KV converted too
