@@ -85,7 +85,7 @@ def get_adapter(pair: real_eval.Pair, config: real_eval.RealConfig, folder: path
     scores = real_eval.score(pair, adapter, heldout, config.continuation_share, config.tails,
                              progress=True)
     results = {"tails": {str(r): v for r, v in scores.items()},
-               **real_eval.score_long(pair, adapter, heldout_files, config, config.tails,
+               **real_eval.score_long(pair, adapter, heldout_files, config,
                                       SERVING_LONG_WINDOWS)}
     adapter.serving = real_eval.serving_record(results, config.agreement_goal)
     folder.mkdir(parents=True, exist_ok=True)

@@ -267,10 +267,9 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
 
 
 def score_long(pair: Pair, adapter: kvbridge.LinearAdapter, heldout_files: Sequence[pathlib.Path],
-               config: RealConfig, tails: Sequence[int], count: int,
-               progress: bool = True) -> Dict[str, Any]:
-    """The longer prompts' curve (module docstring), as results.json holds it: {"long":
-    {"window_bytes", "heldout_windows", "tails"}}, which serving_record takes; {} when
+               config: RealConfig, count: int, progress: bool = True) -> Dict[str, Any]:
+    """The longer prompts' curve at config.tails (module docstring), as results.json holds it:
+    {"long": {"window_bytes", "heldout_windows", "tails"}}, which serving_record takes; {} when
     config.long_window_bytes is 0. `count` windows of held-out files."""
     if not config.long_window_bytes:
         return {}
@@ -279,8 +278,8 @@ def score_long(pair: Pair, adapter: kvbridge.LinearAdapter, heldout_files: Seque
         raise kvbridge.InvalidArgumentError(
             f"no held-out file holds {config.long_window_bytes} bytes for the longer prompts' "
             "check (--long-window-bytes; 0 leaves it out)")
-    scores = score(pair, adapter, windows, long_continuation_share(config), tails, progress,
-                   own_start=not config.converted_start)
+    scores = score(pair, adapter, windows, long_continuation_share(config), config.tails,
+                   progress, own_start=not config.converted_start)
     return {"long": {"window_bytes": config.long_window_bytes, "heldout_windows": len(windows),
                      "tails": {str(r): v for r, v in scores.items()}}}
 
@@ -376,8 +375,8 @@ def evaluate(pair: Pair, config: RealConfig, files: Sequence[pathlib.Path],
                    own_start=not config.converted_start)
     timings["score_seconds"] = time.perf_counter() - t1
     t1 = time.perf_counter()
-    long = score_long(pair, adapter, heldout_files, config, config.tails,
-                      config.long_heldout_windows, progress)
+    long = score_long(pair, adapter, heldout_files, config, config.long_heldout_windows,
+                      progress)
     if long:
         timings["long_score_seconds"] = time.perf_counter() - t1
     tails = {str(r): v for r, v in scores.items()}
