@@ -167,7 +167,8 @@ def test_eval_command_on_a_real_pair(tmp_path, capsys):
                    *map(str, text), "--window-bytes", "512", "--train-windows", "6",
                    "--heldout-windows", "2", "--source-layers", "1", "--tails", "0", "8",
                    "--ttft-tokens", "48", "--ttft-repeats", "1", "--quiet", "--out", str(out),
-                   "--agreement-goal", "1.0", "--save-adapter", str(saved)])
+                   "--agreement-goal", "1.0", "--save-adapter", str(saved),
+                   "--long-window-bytes", "3072", "2048", "--long-heldout-windows", "2"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "smollm2-135m -> gemma3-270m" in printed and "| tail recomputed |" in printed
@@ -181,6 +182,13 @@ def test_eval_command_on_a_real_pair(tmp_path, capsys):
         assert v["loss_own"] < v["loss_none"] and 0 < v["recomputed_share"] < 1
     assert results["tails"]["8"]["recomputed_share"] > results["tails"]["0"]["recomputed_share"]
     assert (out / "eval.png").stat().st_size > 0
+    # Two longer lengths, shortest first, each scored at every tail; the record is measured at
+    # all three lengths.
+    assert [c["window_bytes"] for c in results["long"]] == [2048, 3072]
+    assert all(set(c["tails"]) == {"0", "8"} and c["heldout_windows"] == 2
+               for c in results["long"])
+    assert len({p["prompt_tokens"] for p in results["serving"]["measured"]}) == 3
+    assert printed.count("Longer prompts: 2 windows of") == 2
     # Goal 1.0 is out of reach: the record takes the largest tail measured, and the share that
     # covers the longer prompts' largest tail, so the TTFT prompt gets a tail above 0.
     adapter = kvbridge.LinearAdapter.load(str(saved))

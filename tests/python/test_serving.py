@@ -205,18 +205,48 @@ def test_real_eval_records_the_least_tail_reaching_the_goal():
     assert real_eval.serving_record(results, 0.8)["recompute_tail"] == 0
     assert "no measured tail" in real_eval.serving_record(results, 0.95)["note"]
     # Longer prompts' curve: the tail must reach the goal there too.
-    results["long"] = {"tails": {str(r): {"kept": k, "agreement": a, "recomputed_share": s,
-                                          "prompt_tokens": 3600, "windows": 3}
-                                 for r, k, a, s in ((0, 0.4, 0.78, 0.001), (16, 0.5, 0.79, 0.02),
-                                                    (64, 0.6, 0.86, 0.06))}}
+    def curve(prompt_tokens, windows, points):
+        return {"tails": {str(r): {"kept": k, "agreement": a, "recomputed_share": s,
+                                   "prompt_tokens": prompt_tokens * windows, "windows": windows}
+                          for r, k, a, s in points}}
+
+    results["long"] = [curve(1200, 3, ((0, 0.4, 0.78, 0.001), (16, 0.5, 0.79, 0.02),
+                                       (64, 0.6, 0.86, 0.06)))]
     both = real_eval.serving_record(results, 0.8)
     assert both["recompute_tail"] == 0 and len(both["measured"]) == 6
     assert both["recompute_share"] == pytest.approx(64 / 1200)
     assert both["note"].startswith("real eval, 3 + 3 held-out windows")
     assert {p["prompt_tokens"] for p in both["measured"]} == {300, 1200}
+    # A third length: the record must reach the goal there too. One that needs a smaller share
+    # (16 of 4,000) leaves the share to the length that needs the larger (64 of 1,200); one that
+    # needs a larger share (64 of 960) takes it.
+    results["long"].append(curve(4000, 2, ((0, 0.3, 0.7, 0.0), (16, 0.5, 0.81, 0.004),
+                                           (64, 0.6, 0.9, 0.016))))
+    three = real_eval.serving_record(results, 0.8)
+    assert three["recompute_share"] == pytest.approx(64 / 1200) and len(three["measured"]) == 9
+    assert three["note"].startswith("real eval, 3 + 3 + 2 held-out windows")
+    results["long"][1] = curve(960, 2, ((0, 0.3, 0.7, 0.0), (16, 0.5, 0.75, 0.02),
+                                        (64, 0.6, 0.82, 0.07)))
+    assert real_eval.serving_record(results, 0.8)["recompute_share"] == pytest.approx(64 / 960)
     parser = real_eval.build_parser()
     args = parser.parse_args(["--source", "a", "--target", "b", "--agreement-goal", "0.7"])
-    assert args.agreement_goal == 0.7
+    assert args.agreement_goal == 0.7 and args.long_window_bytes == [6144]
+    args = parser.parse_args(["--source", "a", "--target", "b", "--long-window-bytes", "6144",
+                              "16384"])
+    assert args.long_window_bytes == [6144, 16384]
+
+
+def test_longer_prompts_sizes_must_exceed_the_main_windows():
+    """A longer-prompt size at or below window_bytes is refused before anything is scored (its
+    continuation would not be the main windows'); none at all scores the main windows alone."""
+    from kvbridge.experiments import real_eval
+
+    config = real_eval.RealConfig(window_bytes=1536, long_window_bytes=[6144, 1536])
+    with pytest.raises(kvbridge.InvalidArgumentError, match="must exceed window_bytes"):
+        real_eval.score_long(None, None, [], config, 1, progress=False)
+    assert real_eval.score_long(None, None, [], real_eval.RealConfig(long_window_bytes=[]), 1,
+                                progress=False) == {}
+    assert real_eval.long_continuation_share(config, 6144) == pytest.approx(384 / 6144)
 
 
 def test_shipped_adapters_carry_their_record():

@@ -31,14 +31,15 @@ cache equals the one with the target's own (teacher forced). The converted cache
 (the start token) is the target's own KV of it, as kvbridge.Bridge serves it (Bridge.add_start);
 ``--converted-start`` scores the conversion of it too, as an ablation.
 
-Longer prompts. The same tails are scored again on ``long_heldout_windows`` windows of
-``long_window_bytes`` bytes of the same held-out files, with a continuation of as many bytes as
-the main windows' (``--long-window-bytes 0``: not). The same continuation agrees less with the
-converted cache after a longer prompt, so the serving record saved with ``--save-adapter`` must
-reach the agreement goal at both lengths.
+Longer prompts. The same tails are scored again on ``long_heldout_windows`` windows of each
+of ``long_window_bytes``' sizes (bytes) of the same held-out files, with a continuation of as
+many bytes as the main windows' (``--long-window-bytes 6144 16384`` scores two longer lengths;
+``--long-window-bytes 0``: none). The same continuation agrees less with the converted cache
+after a longer prompt, so the serving record saved with ``--save-adapter`` must reach the
+agreement goal at every length scored.
 
-Serving record. The least measured tail whose agreement reaches ``agreement_goal`` at both
-prompt lengths (serving_record); evaluate() records it on the adapter (LinearAdapter.serving),
+Serving record. The least measured tail whose agreement reaches ``agreement_goal`` at every
+prompt length scored (serving_record); evaluate() records it on the adapter (LinearAdapter.serving),
 so that ``--save-adapter`` saves it and kvbridge.Bridge serves with it.
 
 TTFT ratio. For prompts of about ``ttft_tokens`` target tokens cut from held-out text: the
@@ -99,11 +100,12 @@ class RealConfig:
     ttft_repeats: int = 3
     converted_start: bool = False      # ablation: the start token's KV converted too
     token_codes: int = 128             # width of the target's token codes; 0: none
-    # The curve is scored again on longer held-out prompts: windows of this many bytes with the
+    # The curve is scored again on longer held-out prompts: windows of each of these sizes with the
     # same continuation (continuation_share * window_bytes bytes) after a prompt of about 1,550
-    # target tokens at 6,144; the serving record must reach the agreement goal on both, since
-    # the same tail agrees less after a longer converted prompt (record 255). 0: one length.
-    long_window_bytes: int = 6144
+    # target tokens at 6,144 (about 4,300 at 16,384); the serving record must reach the
+    # agreement goal on every length, since the same tail agrees less after a longer converted
+    # prompt (record 255). Each size exceeds window_bytes; []: the main windows alone.
+    long_window_bytes: List[int] = field(default_factory=lambda: [6144])
     long_heldout_windows: int = 12
     # The serving record (serving_record) is the least measured tail reaching this agreement.
     agreement_goal: float = DEFAULT_AGREEMENT_GOAL
@@ -112,11 +114,11 @@ class RealConfig:
 
 def serving_record(results: Dict[str, Any], agreement_goal: float) -> Dict[str, Any]:
     """The serving defaults (LinearAdapter.serving) of the results' measured tails, those of
-    results["long"] (the longer prompts) too when present: per tail and prompt length its kept,
+    each of results["long"] (the longer prompts) too: per tail and prompt length its kept,
     agreement, share of the prompt computed and mean prompt tokens; the least tail reaching
     agreement_goal at every length (kvbridge.adapter.choose_serving)."""
     points, windows = [], []
-    for curve in (results["tails"], results.get("long", {}).get("tails", {})):
+    for curve in [results["tails"]] + [c["tails"] for c in results.get("long", [])]:
         for r, v in curve.items():
             points.append({"recompute_tail": int(r), "kept": finite_or_null(v["kept"]),
                            "agreement": finite_or_null(v["agreement"]),
@@ -129,10 +131,10 @@ def serving_record(results: Dict[str, Any], agreement_goal: float) -> Dict[str, 
                           "(prompt_tokens: their mean)")
 
 
-def long_continuation_share(config: RealConfig) -> float:
-    """The continuation share of the longer prompts' windows: the same continuation bytes as
-    the main windows', so the two curves differ in the prompt's length only."""
-    return config.continuation_share * config.window_bytes / config.long_window_bytes
+def long_continuation_share(config: RealConfig, window_bytes: int) -> float:
+    """The continuation share of longer prompts' windows of `window_bytes`: the same
+    continuation bytes as the main windows', so the curves differ in the prompt's length only."""
+    return config.continuation_share * config.window_bytes / window_bytes
 
 
 def nearest_layers(source_layers: int, target_layers: int, k: int) -> List[List[int]]:
@@ -268,20 +270,29 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
 
 def score_long(pair: Pair, adapter: kvbridge.LinearAdapter, heldout_files: Sequence[pathlib.Path],
                config: RealConfig, count: int, progress: bool = True) -> Dict[str, Any]:
-    """The longer prompts' curve at config.tails (module docstring), as results.json holds it:
-    {"long": {"window_bytes", "heldout_windows", "tails"}}, which serving_record takes; {} when
-    config.long_window_bytes is 0. `count` windows of held-out files."""
-    if not config.long_window_bytes:
-        return {}
-    windows = corpus.windows(heldout_files, config.long_window_bytes, count)
-    if not windows:
+    """The longer prompts' curves at config.tails (module docstring), shortest first, as
+    results.json holds them: {"long": [{"window_bytes", "heldout_windows", "tails"}, ...]}, which
+    serving_record takes; {} when config.long_window_bytes is empty. `count` windows of held-out
+    files per size. InvalidArgumentError for a size not above config.window_bytes (checked
+    before any scoring), or one no held-out file holds."""
+    sizes = sorted(set(config.long_window_bytes))
+    short = [b for b in sizes if b <= config.window_bytes]
+    if short:
         raise kvbridge.InvalidArgumentError(
-            f"no held-out file holds {config.long_window_bytes} bytes for the longer prompts' "
-            "check (--long-window-bytes; 0 leaves it out)")
-    scores = score(pair, adapter, windows, long_continuation_share(config), config.tails,
-                   progress, own_start=not config.converted_start)
-    return {"long": {"window_bytes": config.long_window_bytes, "heldout_windows": len(windows),
-                     "tails": {str(r): v for r, v in scores.items()}}}
+            f"long_window_bytes: each size must exceed window_bytes ({config.window_bytes}), got "
+            f"{short[0]} (--long-window-bytes; 0 alone leaves the longer prompts out)")
+    curves = []
+    for size in sizes:
+        windows = corpus.windows(heldout_files, size, count)
+        if not windows:
+            raise kvbridge.InvalidArgumentError(
+                f"no held-out file holds {size} bytes for the longer prompts' check "
+                "(--long-window-bytes; 0 alone leaves it out)")
+        scores = score(pair, adapter, windows, long_continuation_share(config, size),
+                       config.tails, progress, own_start=not config.converted_start)
+        curves.append({"window_bytes": size, "heldout_windows": len(windows),
+                       "tails": {str(r): v for r, v in scores.items()}})
+    return {"long": curves} if curves else {}
 
 
 def prompt_of_tokens(model: models.LoadedModel, text: str, tokens: int) -> str:
@@ -427,8 +438,7 @@ def format_table(results: Dict[str, Any]) -> str:
              f"(continuation: the last {cfg['continuation_share']:g} of each); alignment "
              f"{cfg['policy']}, source layers {cfg['source_layers']}", ""]
     lines += curve_table(results["tails"])
-    if "long" in results:
-        long = results["long"]
+    for long in results.get("long", []):
         first = next(iter(long["tails"].values()))
         lines += ["", f"Longer prompts: {long['heldout_windows']} windows of "
                   f"{long['window_bytes']} bytes from the same held-out files (mean prompt "
@@ -477,13 +487,13 @@ def plot(results: Dict[str, Any], path: str) -> None:
     share = [v["recomputed_share"] for v in tails.values()]
     ax_curve.plot(share, [v["kept"] for v in tails.values()], marker="o", label="kept")
     ax_curve.plot(share, [v["agreement"] for v in tails.values()], marker="s", label="agreement")
-    if "long" in results:
-        long = results["long"]["tails"].values()
+    for curve in results.get("long", []):
+        long = curve["tails"].values()
         share_long = [v["recomputed_share"] for v in long]
         ax_curve.plot(share_long, [v["kept"] for v in long], marker="o", linestyle=":",
-                      label=f"kept, {results['long']['window_bytes']}-byte windows")
+                      label=f"kept, {curve['window_bytes']}-byte windows")
         ax_curve.plot(share_long, [v["agreement"] for v in long], marker="s", linestyle=":",
-                      label=f"agreement, {results['long']['window_bytes']}-byte windows")
+                      label=f"agreement, {curve['window_bytes']}-byte windows")
     for r, v in tails.items():
         ax_curve.annotate(f"tail {r}", (v["recomputed_share"], v["kept"]), fontsize=7)
     ax_curve.axhline(1.0, color="gray", linewidth=0.8)
@@ -511,15 +521,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "from the measured tails")
     p.add_argument("--agreement-goal", type=float, default=DEFAULT_AGREEMENT_GOAL,
                    help="the serving record (the saved adapter's, and the tail the TTFT rows "
-                   "serve) is the least measured tail whose agreement reaches this at both "
-                   "prompt lengths (else the largest measured, with a note)")
+                   "serve) is the least measured tail whose agreement reaches this at every "
+                   "prompt length scored (else the largest measured, with a note)")
     p.add_argument("--adapter", metavar="PATH", help="score this adapter instead of fitting one")
     p.add_argument("--window-bytes", type=at_least(64), default=d.window_bytes)
     p.add_argument("--continuation-share", type=float, default=d.continuation_share)
-    p.add_argument("--long-window-bytes", type=at_least(0), default=d.long_window_bytes,
-                   help="also score the curve on held-out windows of this many bytes (longer "
-                   "prompts), and record the serving tail that reaches the agreement goal on "
-                   "both lengths; 0: one length only")
+    p.add_argument("--long-window-bytes", type=at_least(0), nargs="+",
+                   default=d.long_window_bytes,
+                   help="also score the curve on held-out windows of each of these sizes (longer "
+                   "prompts; each above --window-bytes), and record the serving tail that reaches "
+                   "the agreement goal on every length; 0: the main windows alone")
     p.add_argument("--long-heldout-windows", type=at_least(1), default=d.long_heldout_windows)
     p.add_argument("--train-windows", type=at_least(1), default=d.train_windows)
     p.add_argument("--heldout-windows", type=at_least(1), default=d.heldout_windows)
@@ -556,7 +567,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         tails=list(args.tails), ttft_tokens=list(args.ttft_tokens),
                         ttft_repeats=args.ttft_repeats, converted_start=args.converted_start,
                         token_codes=args.token_codes,
-                        long_window_bytes=args.long_window_bytes,
+                        long_window_bytes=[b for b in args.long_window_bytes if b],
                         long_heldout_windows=args.long_heldout_windows,
                         agreement_goal=args.agreement_goal, seed=args.seed)
     set_threads(args.threads)
