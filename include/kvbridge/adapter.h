@@ -173,6 +173,13 @@ struct ServingPoint {
   int64_t prompt_tokens = 0;  ///< prompt length the point was measured at (>= 0; 0: unknown)
 };
 
+/// The least tail that reached ServingDefaults::agreement_goal at one measured prompt length
+/// (ServingDefaults::by_length).
+struct LengthTail {
+  int64_t prompt_tokens = 0;   ///< the prompt length measured (mean of its windows), > 0
+  int64_t recompute_tail = 0;  ///< the least tail that reached the goal there, >= 0
+};
+
 /// How an adapter should be served, recorded from its held-out evaluation (kvbridge eval
 /// --save-adapter, the real-pair eval): the least tail recompute that reached an agreement goal,
 /// and the curve it was chosen from. Bridge uses tail_for(n) for loads of n-token prompts
@@ -187,16 +194,26 @@ struct ServingDefaults {
   /// The share of the prompt to recompute, in [0, 1]: a prompt of n tokens is served with
   /// tail_for(n) = max(recompute_tail, ceil(recompute_share * n)), since a tail agrees less after
   /// a longer converted prompt. 0 (the default, and files that do not record it): the fixed
-  /// tail alone.
+  /// tail alone. With by_length, this rule serves only prompts longer than every length there.
   double recompute_share = 0.0;
+  /// The least tail that reached agreement_goal at each measured prompt length, shortest first
+  /// (prompt_tokens strictly increasing). Empty (the default, and files that do not record it):
+  /// recompute_share's rule serves every length. Otherwise a prompt of n tokens, n at most the
+  /// longest length L, is served with
+  ///   max(recompute_tail, max over i of ceil(recompute_tail_i * min(1, n / prompt_tokens_i))):
+  /// each measured tail, scaled down in proportion below its length (as recompute_share's rule
+  /// assumes) and held above it. The needed share of the prompt can fall as prompts grow
+  /// on real pairs, so between measured lengths this serves less than one share would; past L
+  /// nothing was measured and recompute_share's rule applies.
+  std::vector<LengthTail> by_length;
   /// The agreement the tail was chosen to reach, in [0, 1]; NaN when none was stated (a tail set
   /// by hand).
   double agreement_goal = std::numeric_limits<double>::quiet_NaN();
   std::vector<ServingPoint> measured;  ///< the measured curve, in the order measured
   std::string note;  ///< free text, e.g. why the tail is not the goal's (no point reached it)
 
-  /// The tail for a prompt of prompt_tokens (>= 0) tokens (see recompute_share); 0 when nothing
-  /// is recorded.
+  /// The tail for a prompt of prompt_tokens (>= 0) tokens (see recompute_share and by_length);
+  /// 0 when nothing is recorded.
   int64_t tail_for(int64_t prompt_tokens) const;
 };
 
@@ -220,9 +237,10 @@ class LinearAdapter {
   /// stored as given. Thread-safe, also while a Bridge serves the adapter: loads that start
   /// after it returns use the new tail. save() writes it; fingerprint() does not change.
   /// Throws InvalidArgument, changing nothing, for a recompute_tail < 0, a recompute_share
-  /// outside [0, 1], an agreement_goal outside [0, 1] (NaN allowed), or a point with a negative
-  /// tail or prompt_tokens, an infinite kept, or an agreement or computed_share outside [0, 1]
-  /// (NaN allowed).
+  /// outside [0, 1], an agreement_goal outside [0, 1] (NaN allowed), a by_length whose
+  /// prompt_tokens are not > 0 and strictly increasing or whose tail is negative, or a point with a
+  /// negative tail or prompt_tokens, an infinite kept, or an agreement or computed_share outside
+  /// [0, 1] (NaN allowed).
   void set_serving(const ServingDefaults& serving);
 
   /// Converts a source KV cache to the target's, on the CPU or on a CUDA device (the views'

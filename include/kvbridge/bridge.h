@@ -26,7 +26,7 @@
 //    tokens over the converted prefix. A converted candidate must still be strictly longer than
 //    the native one after that cut. r is per adapter and prompt length (recompute_tail(adapter,
 //    n)): the adapter's recorded serving defaults (LinearAdapter::serving().tail_for(n),
-//    measured by its evaluation: a fixed tail, or a share of a longer prompt) unless
+//    measured by its evaluation: a fixed tail, tails by prompt length, or a share) unless
 //    BridgeOptions::recompute_tail >= 0 fixes it for every adapter and length. The target's own
 //    entries are never cut; a native prefix holding entries a conversion wrote back (their
 //    provenance names an adapter) is cut to max(its own-KV part, n - 1 - r), r the tail for n of

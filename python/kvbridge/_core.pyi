@@ -187,13 +187,14 @@ class LinearAdapter:
     def report(self) -> Dict[str, object]: ...
     @property
     def fingerprint(self) -> str: ...
-    # None when nothing is recorded; else {"recompute_tail", "recompute_share", "agreement_goal",
-    # "measured", "note"}.
+    # None when nothing is recorded; else {"recompute_tail", "recompute_share", "by_length",
+    # "agreement_goal", "measured", "note"}.
     @property
     def serving(self) -> Optional[Dict[str, object]]: ...
-    # measured: (recompute_tail, kept, agreement, computed_share, prompt_tokens), NaN unmeasured.
+    # by_length: (prompt_tokens, recompute_tail); measured: (recompute_tail, kept, agreement,
+    # computed_share, prompt_tokens), NaN unmeasured.
     def set_serving(self, recorded: bool, recompute_tail: int, recompute_share: float,
-                    agreement_goal: float,
+                    by_length: Sequence[Tuple[int, int]], agreement_goal: float,
                     measured: Sequence[Tuple[int, float, float, float, int]],
                     note: str) -> None: ...
     def save(self, path: str) -> None: ...

@@ -18,6 +18,8 @@ SourceLayers = Union[str, Sequence[Sequence[int]]]
 
 #: The fields of one measured point of LinearAdapter.serving.
 _POINT_KEYS = ("recompute_tail", "kept", "agreement", "computed_share", "prompt_tokens")
+#: The fields of one measured length of LinearAdapter.serving["by_length"].
+_LENGTH_KEYS = ("prompt_tokens", "recompute_tail")
 
 
 def _known_keys(name: str, value: Mapping[str, Any], keys: Sequence[str]) -> None:
@@ -31,15 +33,33 @@ def _figure(name: str, value: Any) -> float:
     return math.nan if value is None else _args.number(name, value)
 
 
+def _records(name: str, value: Any, keys: Sequence[str],
+             required: Sequence[str]) -> List[Mapping[str, Any]]:
+    """A list of dicts (None: empty), each with only `keys` and with every `required` one."""
+    value = value or []
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name}: expected a list of dicts, got {type(value).__name__}")
+    for i, item in enumerate(value):
+        if not isinstance(item, Mapping):
+            raise TypeError(f"{name}[{i}]: expected a dict, got {type(item).__name__}")
+        _known_keys(f"{name}[{i}]", item, keys)
+        for key in required:
+            if key not in item:
+                raise InvalidArgumentError(f"{name}[{i}]: '{key}' is required")
+    return list(value)
+
+
 def choose_serving(measured: Sequence[Mapping[str, Any]], agreement_goal: float,
                    note: str = "") -> Dict[str, Any]:
     """Serving defaults (LinearAdapter.serving) from a measured tail-recompute curve, measured
     at one prompt length or several (points grouped by prompt_tokens). At each length, the
     least measured tail whose agreement reaches `agreement_goal` (when none does, the largest
-    measured tail there, with a note saying so). recompute_tail is the shortest length's; a
-    longer length that needs more sets recompute_share to its tail over its length, so that the
-    Bridge's max(recompute_tail, ceil(recompute_share * n)) covers every length measured (the
-    same tail agrees less after a longer converted prompt). measured: points as
+    measured tail there, with a note saying so); by_length lists them (lengths > 0), and the
+    Bridge serves a prompt up to the longest length with them (LinearAdapter.serving).
+    recompute_tail is the shortest length's; a longer length that needs more sets
+    recompute_share to its tail over its length, so that past the longest length
+    max(recompute_tail, ceil(recompute_share * n)) extrapolates with the largest share any
+    length needed (the same tail agrees less after a longer converted prompt). measured: points as
     LinearAdapter.serving's (recompute_tail required; kept, agreement, computed_share,
     prompt_tokens); a point without an agreement does not reach the goal. `note` is prepended to
     the record's note. Raises InvalidArgumentError for an empty curve."""
@@ -56,7 +76,7 @@ def choose_serving(measured: Sequence[Mapping[str, Any]], agreement_goal: float,
         a = p.get("agreement")
         return a is not None and not math.isnan(a) and a >= goal
 
-    tail, share, why = 0, 0.0, []
+    tail, share, lengths, why = 0, 0.0, [], []
     for i, (length, curve) in enumerate(by_length.items()):
         reached = [int(p["recompute_tail"]) for p in curve if reaches(p)]
         needed = reached[0] if reached else int(curve[-1]["recompute_tail"])
@@ -66,6 +86,8 @@ def choose_serving(measured: Sequence[Mapping[str, Any]], agreement_goal: float,
         else:
             why.append(f"no measured tail reached agreement {goal:g}{at}: the largest measured "
                        f"one, {needed} (measure longer tails, or serve this pair with care)")
+        if length > 0:
+            lengths.append({"prompt_tokens": length, "recompute_tail": needed})
         if i == 0:
             tail = needed
         elif needed > tail and length > 0:
@@ -73,7 +95,8 @@ def choose_serving(measured: Sequence[Mapping[str, Any]], agreement_goal: float,
     if share:
         why.append(f"recompute_share {share:.4g} covers the longer prompts")
     why_text = "; ".join(why)
-    return {"recompute_tail": tail, "recompute_share": share, "agreement_goal": goal,
+    return {"recompute_tail": tail, "recompute_share": share, "by_length": lengths,
+            "agreement_goal": goal,
             "measured": sorted(points, key=lambda p: (int(p["recompute_tail"]),
                                                       int(p.get("prompt_tokens") or 0))),
             "note": f"{note}; {why_text}" if note else why_text}
@@ -147,19 +170,23 @@ class LinearAdapter:
     def serving(self) -> Optional[Dict[str, Any]]:
         """The serving defaults recorded from the adapter's held-out evaluation, or None.
 
-        ``{"recompute_tail": r, "recompute_share": s, "agreement_goal": g or None, "measured":
+        ``{"recompute_tail": r, "recompute_share": s, "by_length": [{"prompt_tokens": L_i,
+        "recompute_tail": r_i}, ...], "agreement_goal": g or None, "measured":
         [{"recompute_tail", "kept", "agreement", "computed_share", "prompt_tokens"}, ...],
-        "note": str}``: the tail recompute to serve with, max(r, ceil(s * n)) for a prompt of n
-        tokens (choose_serving: the least that reached the goal at each prompt length measured),
-        and the curve it was chosen from (figures not measured are None; computed_share is the
-        share of the prompt the target computed itself, (r + 1) / prompt_tokens).
+        "note": str}``: the tail recompute to serve with (choose_serving: r_i is the least that
+        reached the goal at prompt length L_i), and the curve it was chosen from (figures not
+        measured are None; computed_share is the share of the prompt the target computed itself,
+        (r + 1) / prompt_tokens). A prompt of n tokens gets, up to the longest L_i,
+        max(r, max_i ceil(r_i * min(1, n / L_i))): each length's tail, scaled in proportion below
+        it and held above it; past every L_i (or with by_length empty), max(r, ceil(s * n)).
         kvbridge.Bridge uses that tail for loads this adapter converts unless its own
         recompute_tail option is set (>= 0). Stored in the adapter file (key "serving",
         docs/adapter_file.md).
 
         Assign a dict of that form to record new defaults (only "recompute_tail" is required;
-        "recompute_share", "agreement_goal", "measured" and "note" default to 0, None, [] and "";
-        each point needs its "recompute_tail", the rest default to None), or None to clear them;
+        "recompute_share", "by_length", "agreement_goal", "measured" and "note" default to 0, [],
+        None, [] and ""; each length needs both keys, lengths > 0 and increasing; each point needs
+        its "recompute_tail", the rest default to None), or None to clear them;
         save() then writes them. Thread-safe, also while a Bridge serves the adapter (loads
         starting afterwards use the new tail). Raises TypeError for a wrong type,
         kvbridge.InvalidArgumentError for an unknown key or a value out of range (tails and
@@ -170,26 +197,25 @@ class LinearAdapter:
     @serving.setter
     def serving(self, value: Optional[Mapping[str, Any]]) -> None:
         if value is None:
-            self._native.set_serving(False, 0, 0.0, math.nan, [], "")
+            self._native.set_serving(False, 0, 0.0, [], math.nan, [], "")
             return
         if not isinstance(value, Mapping):
             raise TypeError(f"serving: expected a dict or None, got {type(value).__name__}")
-        _known_keys("serving", value, ("recompute_tail", "recompute_share", "agreement_goal",
-                                       "measured", "note"))
+        _known_keys("serving", value, ("recompute_tail", "recompute_share", "by_length",
+                                       "agreement_goal", "measured", "note"))
         if "recompute_tail" not in value:
             raise InvalidArgumentError("serving: 'recompute_tail' is required")
-        measured = value.get("measured") or []
-        if isinstance(measured, (str, bytes, Mapping)) or not isinstance(measured, Sequence):
-            raise TypeError(f"serving['measured']: expected a list of dicts, got "
-                            f"{type(measured).__name__}")
+        lengths = []
+        for i, length in enumerate(_records("serving['by_length']", value.get("by_length"),
+                                            _LENGTH_KEYS, _LENGTH_KEYS)):
+            name = f"serving['by_length'][{i}]"
+            lengths.append((_args.size(f"{name}['prompt_tokens']", length["prompt_tokens"]),
+                            _args.integer(f"{name}['recompute_tail']", length["recompute_tail"],
+                                          -2**63)))
         points = []
-        for i, point in enumerate(measured):
+        for i, point in enumerate(_records("serving['measured']", value.get("measured"),
+                                           _POINT_KEYS, ("recompute_tail",))):
             name = f"serving['measured'][{i}]"
-            if not isinstance(point, Mapping):
-                raise TypeError(f"{name}: expected a dict, got {type(point).__name__}")
-            _known_keys(name, point, _POINT_KEYS)
-            if "recompute_tail" not in point:
-                raise InvalidArgumentError(f"{name}: 'recompute_tail' is required")
             points.append((_args.size(f"{name}['recompute_tail']", point["recompute_tail"]),
                            _figure(f"{name}['kept']", point.get("kept")),
                            _figure(f"{name}['agreement']", point.get("agreement")),
@@ -198,7 +224,7 @@ class LinearAdapter:
         self._native.set_serving(
             True, _args.integer("serving['recompute_tail']", value["recompute_tail"], -2**63),
             _args.number("serving['recompute_share']", value.get("recompute_share", 0.0)),
-            _figure("serving['agreement_goal']", value.get("agreement_goal")), points,
+            lengths, _figure("serving['agreement_goal']", value.get("agreement_goal")), points,
             _args.text("serving['note']", value.get("note", "")))
 
     @classmethod

@@ -204,8 +204,9 @@ class Bridge:
     def recompute_tail_for(self, adapter: LinearAdapter, prompt_tokens: int) -> int:
         """The tail recompute loads of a prompt of `prompt_tokens` tokens converted by
         `adapter` get: the recompute_tail option when it is >= 0, else the adapter's recorded
-        one for that length (max(serving["recompute_tail"], ceil(serving["recompute_share"] *
-        prompt_tokens))), else 0. The adapter need not be registered."""
+        one for that length (LinearAdapter.serving: from its tails by measured length, or
+        max(serving["recompute_tail"], ceil(serving["recompute_share"] * prompt_tokens))), else
+        0. The adapter need not be registered."""
         if not isinstance(adapter, LinearAdapter):
             raise TypeError("adapter: expected a kvbridge.LinearAdapter, got "
                             f"{type(adapter).__name__}")

@@ -848,26 +848,36 @@ PYBIND11_MODULE(_core, m) {
                                  d["prompt_tokens"] = p.prompt_tokens;
                                  measured.append(d);
                                }
+                               py::list by_length;
+                               for (const LengthTail& t : s.by_length) {
+                                 py::dict d;
+                                 d["prompt_tokens"] = t.prompt_tokens;
+                                 d["recompute_tail"] = t.recompute_tail;
+                                 by_length.append(d);
+                               }
                                py::dict out;
                                out["recompute_tail"] = s.recompute_tail;
                                out["recompute_share"] = s.recompute_share;
+                               out["by_length"] = by_length;
                                out["agreement_goal"] = figure(s.agreement_goal);
                                out["measured"] = measured;
                                out["note"] = s.note;
                                return std::move(out);
                              })
-      // measured: (recompute_tail, kept, agreement, computed_share, prompt_tokens) per point,
-      // NaN for a figure not measured; recorded false clears the record.
+      // by_length: (prompt_tokens, recompute_tail) per length; measured: (recompute_tail, kept,
+      // agreement, computed_share, prompt_tokens) per point, NaN for a figure not measured;
+      // recorded false clears the record.
       .def(
           "set_serving",
           [](LinearAdapter& a, bool recorded, int64_t recompute_tail, double recompute_share,
-             double agreement_goal,
+             const std::vector<std::tuple<int64_t, int64_t>>& by_length, double agreement_goal,
              const std::vector<std::tuple<int64_t, double, double, double, int64_t>>& measured,
              const std::string& note) {
             ServingDefaults s;
             s.recorded = recorded;
             s.recompute_tail = recompute_tail;
             s.recompute_share = recompute_share;
+            for (const auto& [prompt, tail] : by_length) s.by_length.push_back({prompt, tail});
             s.agreement_goal = agreement_goal;
             s.note = note;
             for (const auto& [r, kept, agreement, share, prompt] : measured)
@@ -875,7 +885,7 @@ PYBIND11_MODULE(_core, m) {
             a.set_serving(s);
           },
           py::arg("recorded"), py::arg("recompute_tail"), py::arg("recompute_share"),
-          py::arg("agreement_goal"),
+          py::arg("by_length"), py::arg("agreement_goal"),
           py::arg("measured"), py::arg("note"))
       .def_static(
           "load",

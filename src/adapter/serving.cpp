@@ -48,6 +48,15 @@ void check_serving(const ServingDefaults& s) {
   KVB_CHECK(in_unit(s.agreement_goal),
             "serving defaults: agreement_goal must lie in [0, 1] (or be NaN: none stated), got "
                 << s.agreement_goal);
+  for (size_t i = 0; i < s.by_length.size(); ++i) {
+    const LengthTail& t = s.by_length[i];
+    const int64_t shorter = i == 0 ? 0 : s.by_length[i - 1].prompt_tokens;
+    KVB_CHECK(t.prompt_tokens > shorter && t.recompute_tail >= 0,
+              "serving defaults: by_length[" << i << "] needs prompt_tokens > " << shorter
+                                             << " (lengths > 0, strictly increasing) and "
+                                             << "recompute_tail >= 0, got " << t.prompt_tokens
+                                             << " and " << t.recompute_tail);
+  }
   for (size_t i = 0; i < s.measured.size(); ++i) {
     const ServingPoint& p = s.measured[i];
     KVB_CHECK(p.recompute_tail >= 0 && p.prompt_tokens >= 0,
@@ -71,8 +80,12 @@ std::string serving_json(const ServingDefaults& s) {
                         {"agreement", number_or_null(p.agreement)},
                         {"computed_share", number_or_null(p.computed_share)},
                         {"prompt_tokens", p.prompt_tokens}});
+  json by_length = json::array();
+  for (const LengthTail& t : s.by_length)
+    by_length.push_back({{"prompt_tokens", t.prompt_tokens}, {"recompute_tail", t.recompute_tail}});
   const json j = {{"recompute_tail", s.recompute_tail},
                   {"recompute_share", s.recompute_share},
+                  {"by_length", by_length},
                   {"agreement_goal", number_or_null(s.agreement_goal)},
                   {"measured", measured},
                   {"note", s.note}};
@@ -91,6 +104,17 @@ ServingDefaults parse_serving(const std::string& text) {
       KVB_CHECK_AS(Corrupt, share.is_number(), "adapter file: serving.recompute_share must be a "
                                                "number");
       s.recompute_share = share.get<double>();
+    }
+    if (j.contains("by_length")) {  // files written before it record the share rule alone
+      const json& by_length = j.at("by_length");
+      KVB_CHECK_AS(Corrupt, by_length.is_array(), "adapter file: serving.by_length must be a list");
+      for (size_t i = 0; i < by_length.size(); ++i) {
+        const json& t = by_length[i];
+        const std::string what = ".by_length[" + std::to_string(i) + "]";
+        KVB_CHECK_AS(Corrupt, t.is_object(), "adapter file: serving" << what << " is not an object");
+        s.by_length.push_back(
+            {count_from(t, "prompt_tokens", what), count_from(t, "recompute_tail", what)});
+      }
     }
     s.agreement_goal = number_from(j, "agreement_goal", "");
     const auto note = j.find("note");
@@ -123,11 +147,33 @@ ServingDefaults parse_serving(const std::string& text) {
 
 }  // namespace detail
 
+namespace {
+
+// ceil(share * n) for share >= 0; the 1e-9 keeps a product that is whole up to rounding
+// (0.07 * 100) from rounding up past it. Clamped to 2^62 (no prompt is that long) so that
+// converting it back to int64 stays defined for any n.
+int64_t ceil_share(double share, int64_t n) {
+  constexpr double kMax = 4611686018427387904.0;  // 2^62
+  const double tail = std::ceil(share * static_cast<double>(n) - 1e-9);
+  return tail <= 0.0 ? 0 : tail >= kMax ? int64_t{1} << 62 : static_cast<int64_t>(tail);
+}
+
+}  // namespace
+
 int64_t ServingDefaults::tail_for(int64_t prompt_tokens) const {
   if (!recorded) return 0;
-  // The 1e-9 keeps a product that is whole up to rounding (0.07 * 100) from rounding up past it.
-  const double share_tail = std::ceil(recompute_share * static_cast<double>(prompt_tokens) - 1e-9);
-  return std::max(recompute_tail, static_cast<int64_t>(std::max(0.0, share_tail)));
+  if (by_length.empty() || prompt_tokens > by_length.back().prompt_tokens)
+    return std::max(recompute_tail, ceil_share(recompute_share, prompt_tokens));
+  int64_t tail = recompute_tail;
+  for (const LengthTail& t : by_length) {
+    const int64_t scaled =
+        prompt_tokens >= t.prompt_tokens
+            ? t.recompute_tail
+            : ceil_share(static_cast<double>(t.recompute_tail) / static_cast<double>(t.prompt_tokens),
+                         prompt_tokens);
+    tail = std::max(tail, scaled);
+  }
+  return tail;
 }
 
 ServingDefaults LinearAdapter::serving() const {

@@ -869,7 +869,9 @@ TEST_F(BridgeTest, ServingDefaultsRoundTripThroughTheAdapterFile) {
   EXPECT_TRUE(plain->serving().measured.empty());
   const std::string fp = plain->fingerprint();
 
-  plain->set_serving(serving_of(4));
+  ServingDefaults recorded = serving_of(4);
+  recorded.by_length = {{53, 4}, {212, 9}};
+  plain->set_serving(recorded);
   EXPECT_EQ(plain->fingerprint(), fp);
   plain->save(dir.path + "/serving.safetensors");
   const LinearAdapter back = LinearAdapter::load(dir.path + "/serving.safetensors");
@@ -879,6 +881,11 @@ TEST_F(BridgeTest, ServingDefaultsRoundTripThroughTheAdapterFile) {
   EXPECT_EQ(s.recompute_share, 0.125);
   EXPECT_EQ(s.agreement_goal, 0.875);
   EXPECT_EQ(s.note, "planted");
+  ASSERT_EQ(s.by_length.size(), 2u);
+  EXPECT_EQ(s.by_length[0].prompt_tokens, 53);
+  EXPECT_EQ(s.by_length[0].recompute_tail, 4);
+  EXPECT_EQ(s.by_length[1].prompt_tokens, 212);
+  EXPECT_EQ(s.by_length[1].recompute_tail, 9);
   ASSERT_EQ(s.measured.size(), 3u);
   const ServingDefaults want = serving_of(4);
   for (size_t i = 0; i < 3; ++i) {
@@ -917,12 +924,24 @@ TEST_F(BridgeTest, ServingDefaultsRoundTripThroughTheAdapterFile) {
          "\"measured\":[],\"note\":\"\"}";
   io::write_safetensors(dir.path + "/bad_share.safetensors", tensors, file.metadata);
   EXPECT_THROW(LinearAdapter::load(dir.path + "/bad_share.safetensors", unchecked), Corrupt);
-  // A record written before recompute_share existed serves its tail alone.
+  for (const char* by_length : {"{}", "[[53, 4]]", "[{\"prompt_tokens\":53}]",
+                                "[{\"prompt_tokens\":0,\"recompute_tail\":4}]",
+                                "[{\"prompt_tokens\":53,\"recompute_tail\":-4}]",
+                                "[{\"prompt_tokens\":53,\"recompute_tail\":4},"
+                                "{\"prompt_tokens\":53,\"recompute_tail\":9}]"}) {
+    text = std::string("{\"recompute_tail\":3,\"by_length\":") + by_length +
+           ",\"agreement_goal\":null,\"measured\":[],\"note\":\"\"}";
+    io::write_safetensors(dir.path + "/bad_lengths.safetensors", tensors, file.metadata);
+    EXPECT_THROW(LinearAdapter::load(dir.path + "/bad_lengths.safetensors", unchecked), Corrupt)
+        << by_length;
+  }
+  // A record written before recompute_share and by_length existed serves its tail alone.
   text = "{\"recompute_tail\":3,\"agreement_goal\":null,\"measured\":[],\"note\":\"\"}";
   io::write_safetensors(dir.path + "/old.safetensors", tensors, file.metadata);
   const ServingDefaults old =
       LinearAdapter::load(dir.path + "/old.safetensors", unchecked).serving();
   EXPECT_EQ(old.recompute_share, 0.0);
+  EXPECT_TRUE(old.by_length.empty());
   EXPECT_EQ(old.tail_for(100000), 3);
 
   // Clearing the record: the file is the plain one again, byte for byte in its checksum.
@@ -943,6 +962,12 @@ TEST_F(BridgeTest, ServingDefaultsRoundTripThroughTheAdapterFile) {
     bad = serving_of(4);
     bad.recompute_share = share;
     EXPECT_THROW(plain->set_serving(bad), InvalidArgument) << share;
+  }
+  for (const std::vector<LengthTail>& by_length :
+       {std::vector<LengthTail>{{0, 4}}, {{53, -1}}, {{53, 4}, {53, 9}}, {{212, 9}, {53, 4}}}) {
+    bad = serving_of(4);
+    bad.by_length = by_length;
+    EXPECT_THROW(plain->set_serving(bad), InvalidArgument) << by_length.size();
   }
   bad = serving_of(4);
   bad.measured[0].agreement = -0.1;
@@ -1009,6 +1034,53 @@ TEST_F(BridgeTest, ConvertedLoadsUseTheAdaptersRecordedTail) {
   const Load whole = bridge3.load(*tgt_, tokens);
   EXPECT_EQ(whole.tokens(), 48);
   EXPECT_EQ(whole.recompute_tail(), 0);
+}
+
+// Tails measured at several lengths: up to the longest, each length's tail, scaled down in
+// proportion below its length and held above it (never under recompute_tail); past it, the share.
+TEST_F(BridgeTest, TailsMeasuredByLengthServeUpToTheLongest) {
+  ServingDefaults s = serving_of(8);
+  s.recompute_share = 0.2;  // 200 of 1,000 tokens: the most any measured length needed
+  s.by_length = {{300, 8}, {1000, 200}, {4000, 256}, {7000, 500}};
+  EXPECT_EQ(s.tail_for(0), 8);
+  EXPECT_EQ(s.tail_for(300), 60);    // 200 * 300 / 1000, above the 8 measured at 300
+  EXPECT_EQ(s.tail_for(501), 101);   // ceil(100.2)
+  EXPECT_EQ(s.tail_for(1000), 200);
+  EXPECT_EQ(s.tail_for(1001), 200);  // held: the share would give 201
+  EXPECT_EQ(s.tail_for(3000), 215);  // ceil(500 * 3000 / 7000): 214.3, above 200 and 192
+  EXPECT_EQ(s.tail_for(4000), 286);  // 285.7 from 7,000's tail, above 256
+  EXPECT_EQ(s.tail_for(7000), 500);
+  EXPECT_EQ(s.tail_for(7001), 1401);  // past every measured length: ceil(0.2 * 7001)
+  // A product whole up to rounding does not round up: 14 / 200 * 100 is 7.000000000000001.
+  s.recompute_tail = 0;
+  s.by_length = {{200, 14}};
+  EXPECT_EQ(s.tail_for(100), 7);
+  EXPECT_EQ(s.tail_for(101), 8);
+  s.recompute_tail = 9;  // the floor holds at every length
+  EXPECT_EQ(s.tail_for(10), 9);
+  EXPECT_EQ(s.tail_for(150), 11);
+
+  // A Bridge serves the record's tail_for.
+  testing::TempDir dir;
+  auto adapter = copy_of(**good_, dir.path + "/a.safetensors");
+  s = serving_of(2);
+  s.recompute_share = 0.5;
+  s.by_length = {{20, 10}, {60, 12}};
+  adapter->set_serving(s);
+  KVStore store(store_options());
+  Bridge bridge(store);
+  EXPECT_EQ(bridge.recompute_tail(*adapter, 10), 5);
+  EXPECT_EQ(bridge.recompute_tail(*adapter, 53), 11);  // ceil(12 * 53 / 60): 10.6, held 10 below
+  EXPECT_EQ(bridge.recompute_tail(*adapter, 61), 31);
+  bridge.add_adapter(adapter);
+  const auto tokens = testing::random_tokens(53, 78);  // limit 52, source cached [0, 48)
+  FloatKV src(*src_, 53, 1);
+  src.randomize(79);
+  bridge.save(*src_, tokens, src.view());
+  const Load load = bridge.load(*tgt_, tokens);
+  ASSERT_TRUE(load.converted());
+  EXPECT_EQ(load.recompute_tail(), 11);
+  EXPECT_EQ(load.tokens(), 41);  // 52 - 11
 }
 
 // A recorded share: a prompt of n tokens gets max(recompute_tail, ceil(share * n)).

@@ -63,8 +63,6 @@ def adapter_files():
 def layered_adapter_file():
     """layered-unchecked: specs with per-layer attention (both RoPE groups, a window, a scaled
     layer), without a checksum so the fuzzer's mutations reach the layer_attention JSON."""
-    from safetensors import safe_open
-
     la = kvbridge.LayerAttention
     src = kvbridge.ModelSpec("fuzz-src", 2, 1, 4, dtype="float32", layer_attention=[
         la(1e4, sliding_window=8), la(1e6, kvbridge.RopeScaling("linear", 2.0))])
@@ -72,15 +70,41 @@ def layered_adapter_file():
     fitter = kvbridge.AdapterFitter(src, dst, source_layers="all", ridge=0.1)
     for seed in range(4):
         fitter.add(kv(src, 24, 10 + seed), kv(dst, 24, 20 + seed))
+    save_unchecked(fitter.fit(), "layered-unchecked.safetensors")
+
+
+def served_adapter_file():
+    """served-unchecked: an adapter with a serving record (tails by length, a share, measured
+    points with a figure not measured), without a checksum so mutations reach the serving JSON."""
+    src = kvbridge.ModelSpec("fuzz-src", 2, 1, 4, dtype="float32")
+    dst = kvbridge.ModelSpec("fuzz-dst", 1, 1, 4, dtype="float32")
+    fitter = kvbridge.AdapterFitter(src, dst, source_layers="all", ridge=0.1)
+    for seed in range(4):
+        fitter.add(kv(src, 24, 10 + seed), kv(dst, 24, 20 + seed))
+    adapter = fitter.fit()
+    adapter.serving = {
+        "recompute_tail": 2, "recompute_share": 0.25, "agreement_goal": 0.85, "note": "seed",
+        "by_length": [{"prompt_tokens": 24, "recompute_tail": 2},
+                      {"prompt_tokens": 96, "recompute_tail": 24}],
+        "measured": [{"recompute_tail": 2, "kept": 0.5, "agreement": 0.86,
+                      "computed_share": 0.125, "prompt_tokens": 24},
+                     {"recompute_tail": 24, "kept": None, "agreement": 0.9,
+                      "computed_share": 0.26, "prompt_tokens": 96}]}
+    save_unchecked(adapter, "served-unchecked.safetensors")
+
+
+def save_unchecked(adapter, file_name):
+    """Saves `adapter` as corpus/adapter_file/`file_name` without its checksum."""
+    from safetensors import safe_open
+
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "a.safetensors")
-        fitter.fit().save(path)
+        adapter.save(path)
         with safe_open(path, framework="np") as f:
             meta = dict(f.metadata())
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     del meta["checksum"]
-    save_file(tensors, os.path.join(ROOT, "adapter_file", "layered-unchecked.safetensors"),
-              metadata=meta)
+    save_file(tensors, os.path.join(ROOT, "adapter_file", file_name), metadata=meta)
 
 
 def resign_huge_head_dim(seed):
@@ -113,3 +137,4 @@ if __name__ == "__main__":
     safetensors_files()
     adapter_files()
     layered_adapter_file()
+    served_adapter_file()

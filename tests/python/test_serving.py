@@ -13,6 +13,7 @@ from conftest import random_kv
 from test_bridge import SRC, TGT, fit_planted, make_bridge, max_rel_diff, prefix, tokens_of
 
 RECORD = {"recompute_tail": 9, "recompute_share": 0.0, "agreement_goal": 0.875, "note": "planted",
+          "by_length": [{"prompt_tokens": 53, "recompute_tail": 9}],
           "measured": [{"recompute_tail": 0, "kept": 0.5, "agreement": 0.8,
                         "computed_share": 1 / 53, "prompt_tokens": 53},
                        {"recompute_tail": 4, "kept": None, "agreement": 0.84,
@@ -45,7 +46,7 @@ def test_record_round_trips_and_keeps_the_fingerprint(adapter, tmp_path):
     assert "serving" in meta and meta["checksum"] != fp  # checksummed, not the identity
     # Only the tail is required; clearing writes the plain file again.
     adapter.serving = {"recompute_tail": 3}
-    assert adapter.serving == {"recompute_tail": 3, "recompute_share": 0.0,
+    assert adapter.serving == {"recompute_tail": 3, "recompute_share": 0.0, "by_length": [],
                                "agreement_goal": None, "measured": [], "note": ""}
     adapter.serving = None
     adapter.save(tmp_path / "b.safetensors")
@@ -68,6 +69,18 @@ def test_record_round_trips_and_keeps_the_fingerprint(adapter, tmp_path):
      kvbridge.InvalidArgumentError),
     ({"recompute_tail": 1, "measured": [{"kept": 0.5}]}, kvbridge.InvalidArgumentError),
     ({"recompute_tail": 1.0}, TypeError),
+    ({"recompute_tail": 1, "by_length": [{"prompt_tokens": 0, "recompute_tail": 1}]},
+     kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "by_length": [{"prompt_tokens": 50, "recompute_tail": -1}]},
+     kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "by_length": [{"prompt_tokens": 50, "recompute_tail": 1},
+                                         {"prompt_tokens": 50, "recompute_tail": 2}]},
+     kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "by_length": [{"prompt_tokens": 50}]}, kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "by_length": [{"prompt_tokens": 50, "recompute_tail": 1, "x": 0}]},
+     kvbridge.InvalidArgumentError),
+    ({"recompute_tail": 1, "by_length": [(50, 1)]}, TypeError),
+    ({"recompute_tail": 1, "by_length": {"prompt_tokens": 50, "recompute_tail": 1}}, TypeError),
     ({"recompute_tail": 1, "measured": {"recompute_tail": 0}}, TypeError),
     ({"recompute_tail": 1, "note": 3}, TypeError),
     ([("recompute_tail", 1)], TypeError)])
@@ -125,6 +138,25 @@ def test_bridge_serves_a_share_of_longer_prompts(adapter, tmp_path):
         bridge.recompute_tail_for(adapter, -1)
 
 
+def test_bridge_serves_tails_measured_by_length(adapter, tmp_path):
+    # Up to the longest measured length: each length's tail, scaled in proportion below its
+    # length and held above it; past it, the share.
+    adapter.serving = {"recompute_tail": 2, "recompute_share": 0.5,
+                       "by_length": [{"prompt_tokens": 20, "recompute_tail": 10},
+                                     {"prompt_tokens": 60, "recompute_tail": 12}]}
+    bridge = make_bridge(adapter)
+    assert [bridge.recompute_tail_for(adapter, n) for n in (0, 3, 10, 30, 53, 60, 61)] == \
+        [2, 2, 5, 10, 11, 12, 31]
+    tokens = tokens_of(53, 17)  # the source caches 48 (whole chunks); limit 52
+    bridge.save(SRC, tokens, random_kv(SRC, 53, seed=18))
+    hit = bridge.load(TGT, tokens)
+    assert hit.converted and hit.recompute_tail == 11 and hit.tokens == 41  # 52 - 11
+    adapter.save(tmp_path / "lengths.safetensors")
+    back = kvbridge.LinearAdapter.load(tmp_path / "lengths.safetensors")
+    assert back.serving["by_length"] == adapter.serving["by_length"]
+    assert make_bridge(back).recompute_tail_for(back, 30) == 10
+
+
 def test_written_back_hits_keep_the_tail(adapter):
     adapter.serving = RECORD
     bridge = make_bridge(adapter)
@@ -176,6 +208,8 @@ def test_choose_serving_holds_the_goal_at_every_prompt_length():
               + [{"recompute_tail": r, "agreement": a, "prompt_tokens": 316} for r, a in short])
     got = choose_serving(points, 0.85)
     assert got["recompute_tail"] == 0 and got["recompute_share"] == pytest.approx(32 / 1266)
+    assert got["by_length"] == [{"prompt_tokens": 316, "recompute_tail": 0},
+                                {"prompt_tokens": 1266, "recompute_tail": 32}]
     assert "at 316 prompt tokens: 0" in got["note"] and "at 1266 prompt tokens: 32" in got["note"]
     assert [(p["recompute_tail"], p["prompt_tokens"]) for p in got["measured"]] == [
         (0, 316), (0, 1266), (16, 316), (16, 1266), (32, 316), (32, 1266)]
@@ -224,6 +258,17 @@ def test_real_eval_records_the_least_tail_reaching_the_goal():
                                            (64, 0.6, 0.9, 0.016))))
     three = real_eval.serving_record(results, 0.8)
     assert three["recompute_share"] == pytest.approx(64 / 1200) and len(three["measured"]) == 9
+    assert [(t["prompt_tokens"], t["recompute_tail"]) for t in three["by_length"]] == [
+        (300, 0), (1200, 64), (4000, 16)]
+    # Served: 64 from 1,200 tokens up to 4,000 (the share would give 64 / 1200 * 4000 = 214), the
+    # share past it.
+    from kvbridge.experiments import eval as ev
+
+    adapter = kvbridge.LinearAdapter.load(ev.DEFAULT_ADAPTER)
+    adapter.serving = three
+    bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 20))
+    assert [bridge.recompute_tail_for(adapter, n) for n in (300, 600, 1200, 4000, 4001)] == [
+        16, 32, 64, 64, 214]
     assert three["note"].startswith("real eval, 3 + 3 + 2 held-out windows")
     results["long"][1] = curve(960, 2, ((0, 0.3, 0.7, 0.0), (16, 0.5, 0.75, 0.02),
                                         (64, 0.6, 0.82, 0.07)))
