@@ -193,6 +193,9 @@ def test_eval_command_on_a_real_pair(tmp_path, capsys):
     # covers the longer prompts' largest tail, so the TTFT prompt gets a tail above 0.
     adapter = kvbridge.LinearAdapter.load(str(saved))
     assert adapter.serving == results["serving"] and adapter.serving["recompute_tail"] == 8
+    lengths = sorted({p["prompt_tokens"] for p in results["serving"]["measured"]})
+    assert adapter.serving["by_length"] == [{"prompt_tokens": n, "recompute_tail": 8}
+                                            for n in lengths]
     bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 20))
     (row,) = results["ttft"]["rows"]
     assert row["served_tail"] == bridge.recompute_tail_for(adapter, row["target_tokens"]) >= 8

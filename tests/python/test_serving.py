@@ -275,10 +275,9 @@ def test_real_eval_records_the_least_tail_reaching_the_goal():
     assert real_eval.serving_record(results, 0.8)["recompute_share"] == pytest.approx(64 / 960)
     parser = real_eval.build_parser()
     args = parser.parse_args(["--source", "a", "--target", "b", "--agreement-goal", "0.7"])
-    assert args.agreement_goal == 0.7 and args.long_window_bytes == [6144]
-    args = parser.parse_args(["--source", "a", "--target", "b", "--long-window-bytes", "6144",
-                              "16384"])
-    assert args.long_window_bytes == [6144, 16384]
+    assert args.agreement_goal == 0.7 and args.long_window_bytes == [6144, 16384]
+    args = parser.parse_args(["--source", "a", "--target", "b", "--long-window-bytes", "6144"])
+    assert args.long_window_bytes == [6144]
 
 
 def test_longer_prompts_sizes_must_exceed_the_main_windows():

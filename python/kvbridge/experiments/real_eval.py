@@ -33,14 +33,15 @@ cache equals the one with the target's own (teacher forced). The converted cache
 
 Longer prompts. The same tails are scored again on ``long_heldout_windows`` windows of each
 of ``long_window_bytes``' sizes (bytes) of the same held-out files, with a continuation of as
-many bytes as the main windows' (``--long-window-bytes 6144 16384`` scores two longer lengths;
-``--long-window-bytes 0``: none). The same continuation agrees less with the converted cache
-after a longer prompt, so the serving record saved with ``--save-adapter`` must reach the
-agreement goal at every length scored.
+many bytes as the main windows' (by default 6,144 and 16,384 bytes, about 1,550 and 4,300
+target tokens; ``--long-window-bytes 0``: none). The same continuation agrees less with the
+converted cache after a longer prompt, so the serving record saved with ``--save-adapter`` must
+reach the agreement goal at every length scored.
 
-Serving record. The least measured tail whose agreement reaches ``agreement_goal`` at every
-prompt length scored (serving_record); evaluate() records it on the adapter (LinearAdapter.serving),
-so that ``--save-adapter`` saves it and kvbridge.Bridge serves with it.
+Serving record. At each prompt length scored, the least measured tail whose agreement reaches
+``agreement_goal`` (serving_record, kvbridge.adapter.choose_serving: the tails by length, and
+past the longest the largest share any length needed); evaluate() records it on the adapter
+(LinearAdapter.serving), so that ``--save-adapter`` saves it and kvbridge.Bridge serves with it.
 
 TTFT ratio. For prompts of about ``ttft_tokens`` target tokens cut from held-out text: the
 target's own prefill and first token, against aligning both tokenizations, converting the
@@ -102,10 +103,12 @@ class RealConfig:
     token_codes: int = 128             # width of the target's token codes; 0: none
     # The curve is scored again on longer held-out prompts: windows of each of these sizes with the
     # same continuation (continuation_share * window_bytes bytes) after a prompt of about 1,550
-    # target tokens at 6,144 (about 4,300 at 16,384); the serving record must reach the
+    # target tokens at 6,144 and about 4,300 at 16,384; the serving record must reach the
     # agreement goal on every length, since the same tail agrees less after a longer converted
-    # prompt (record 255). Each size exceeds window_bytes; []: the main windows alone.
-    long_window_bytes: List[int] = field(default_factory=lambda: [6144])
+    # prompt (record 255), and it records the tail each length needs, which serves prompts up to
+    # the longest with less than one share would (record 270). Each size exceeds window_bytes;
+    # []: the main windows alone.
+    long_window_bytes: List[int] = field(default_factory=lambda: [6144, 16384])
     long_heldout_windows: int = 12
     # The serving record (serving_record) is the least measured tail reaching this agreement.
     agreement_goal: float = DEFAULT_AGREEMENT_GOAL
@@ -115,8 +118,8 @@ class RealConfig:
 def serving_record(results: Dict[str, Any], agreement_goal: float) -> Dict[str, Any]:
     """The serving defaults (LinearAdapter.serving) of the results' measured tails, those of
     each of results["long"] (the longer prompts) too: per tail and prompt length its kept,
-    agreement, share of the prompt computed and mean prompt tokens; the least tail reaching
-    agreement_goal at every length (kvbridge.adapter.choose_serving)."""
+    agreement, share of the prompt computed and mean prompt tokens; per length the least tail
+    reaching agreement_goal (kvbridge.adapter.choose_serving)."""
     points, windows = [], []
     for curve in [results["tails"]] + [c["tails"] for c in results.get("long", [])]:
         for r, v in curve.items():
@@ -521,8 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "from the measured tails")
     p.add_argument("--agreement-goal", type=float, default=DEFAULT_AGREEMENT_GOAL,
                    help="the serving record (the saved adapter's, and the tail the TTFT rows "
-                   "serve) is the least measured tail whose agreement reaches this at every "
-                   "prompt length scored (else the largest measured, with a note)")
+                   "serve) holds, per prompt length scored, the least measured tail whose "
+                   "agreement reaches this (else the largest measured, with a note)")
     p.add_argument("--adapter", metavar="PATH", help="score this adapter instead of fitting one")
     p.add_argument("--window-bytes", type=at_least(64), default=d.window_bytes)
     p.add_argument("--continuation-share", type=float, default=d.continuation_share)
