@@ -111,7 +111,8 @@ ServingDefaults parse_serving(const std::string& text) {
       for (size_t i = 0; i < by_length.size(); ++i) {
         const json& t = by_length[i];
         const std::string what = ".by_length[" + std::to_string(i) + "]";
-        KVB_CHECK_AS(Corrupt, t.is_object(), "adapter file: serving" << what << " is not an object");
+        KVB_CHECK_AS(Corrupt, t.is_object(),
+                     "adapter file: serving" << what << " is not an object");
         s.by_length.push_back(
             {count_from(t, "prompt_tokens", what), count_from(t, "recompute_tail", what)});
       }
@@ -166,12 +167,10 @@ int64_t ServingDefaults::tail_for(int64_t prompt_tokens) const {
     return std::max(recompute_tail, ceil_share(recompute_share, prompt_tokens));
   int64_t tail = recompute_tail;
   for (const LengthTail& t : by_length) {
-    const int64_t scaled =
-        prompt_tokens >= t.prompt_tokens
-            ? t.recompute_tail
-            : ceil_share(static_cast<double>(t.recompute_tail) / static_cast<double>(t.prompt_tokens),
-                         prompt_tokens);
-    tail = std::max(tail, scaled);
+    const double share =
+        static_cast<double>(t.recompute_tail) / static_cast<double>(t.prompt_tokens);
+    tail = std::max(tail, prompt_tokens >= t.prompt_tokens ? t.recompute_tail
+                                                           : ceil_share(share, prompt_tokens));
   }
   return tail;
 }
