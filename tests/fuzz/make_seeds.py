@@ -49,14 +49,19 @@ def safetensors_files():
               os.path.join(ROOT, "safetensors", "empty-tensor.safetensors"))
 
 
-def adapter_files():
-    src = kvbridge.ModelSpec("fuzz-src", 2, 1, 4, dtype="float32")
-    dst = kvbridge.ModelSpec("fuzz-dst", 1, 1, 4, dtype="float32")
+def two_to_one(src=None, dst=None):
+    """An adapter fitted from a 2-layer source to a 1-layer target (plain specs by default)."""
+    src = src or kvbridge.ModelSpec("fuzz-src", 2, 1, 4, dtype="float32")
+    dst = dst or kvbridge.ModelSpec("fuzz-dst", 1, 1, 4, dtype="float32")
     fitter = kvbridge.AdapterFitter(src, dst, source_layers="all", ridge=0.1)
     for seed in range(4):
         fitter.add(kv(src, 24, 10 + seed), kv(dst, 24, 20 + seed))
+    return fitter.fit()
+
+
+def adapter_files():
     seed = os.path.join(ROOT, "adapter_file", "two-to-one.safetensors")
-    fitter.fit().save(seed)
+    two_to_one().save(seed)
     resign_huge_head_dim(seed)
 
 
@@ -67,21 +72,13 @@ def layered_adapter_file():
     src = kvbridge.ModelSpec("fuzz-src", 2, 1, 4, dtype="float32", layer_attention=[
         la(1e4, sliding_window=8), la(1e6, kvbridge.RopeScaling("linear", 2.0))])
     dst = kvbridge.ModelSpec("fuzz-dst", 1, 1, 4, dtype="float32", layer_attention=[la(5e5)])
-    fitter = kvbridge.AdapterFitter(src, dst, source_layers="all", ridge=0.1)
-    for seed in range(4):
-        fitter.add(kv(src, 24, 10 + seed), kv(dst, 24, 20 + seed))
-    save_unchecked(fitter.fit(), "layered-unchecked.safetensors")
+    save_unchecked(two_to_one(src, dst), "layered-unchecked.safetensors")
 
 
 def served_adapter_file():
     """served-unchecked: an adapter with a serving record (tails by length, a share, measured
     points with a figure not measured), without a checksum so mutations reach the serving JSON."""
-    src = kvbridge.ModelSpec("fuzz-src", 2, 1, 4, dtype="float32")
-    dst = kvbridge.ModelSpec("fuzz-dst", 1, 1, 4, dtype="float32")
-    fitter = kvbridge.AdapterFitter(src, dst, source_layers="all", ridge=0.1)
-    for seed in range(4):
-        fitter.add(kv(src, 24, 10 + seed), kv(dst, 24, 20 + seed))
-    adapter = fitter.fit()
+    adapter = two_to_one()
     adapter.serving = {
         "recompute_tail": 2, "recompute_share": 0.25, "agreement_goal": 0.85, "note": "seed",
         "by_length": [{"prompt_tokens": 24, "recompute_tail": 2},
