@@ -140,9 +140,9 @@ def run_prompt(bridge: kvbridge.Bridge, pair: real_eval.Pair, text: str, prompt_
     if served and cont and tgt_all[:len(ids)] == ids:
         targets = torch.as_tensor(cont, dtype=torch.long)
         lo, _ = forward(tgt_m.model, ids[-1:] + cont[:-1], prefix_kv(tgt_m.model, ids[:-1]))
-        lc, _ = forward(tgt_m.model, ids[served:] + cont[:-1], hit.kv)
+        lc, _ = forward(tgt_m.model, ids[served:] + cont[:-1], hit.kv, logits_to_keep=len(cont))
         ln, _ = forward(tgt_m.model, [tgt_m.bos_id] + cont[:-1])
-        sums.add(lo, lc[-len(cont):], ln, targets)
+        sums.add(lo, lc, ln, targets)
     metrics = sums.metrics() if sums.tokens else {}
     own_text = tgt_m.tokenizer.decode(greedy(tgt_m.model, ids[-1:], prefix_kv(
         tgt_m.model, ids[:-1]), steps))

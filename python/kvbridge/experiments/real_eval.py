@@ -259,8 +259,10 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
             keep = max(1, p - 1 - r)  # the start token always comes from the cache
             computed[r] += p - keep
             part = tuple((k[:, :, :keep], v[:, :, :keep]) for k, v in conv)
-            logits_conv, _ = forward(tgt_m.model, ids[keep:-1], part)
-            sums[r].add(w.logits_own, logits_conv[-len(w.targets):], w.logits_none, w.targets)
+            # Logits of the continuation only: the tail's would be computed and dropped.
+            logits_conv, _ = forward(tgt_m.model, ids[keep:-1], part,
+                                     logits_to_keep=len(w.targets))
+            sums[r].add(w.logits_own, logits_conv, w.logits_none, w.targets)
         windows += 1
         prefix_tokens += p - 1
     if not windows:
