@@ -101,6 +101,7 @@
 namespace kvbridge {
 
 /// The result of Bridge::load. Owns (or pins) its KV; movable, not copyable. Thread-compatible.
+/// Bridge::probe returns one without KV.
 class Load {
  public:
   Load() = default;
@@ -268,6 +269,20 @@ class Bridge {
   /// are malformed (align()).
   Load load(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
             const SourceTokenizations& sources, std::string_view ns = "default");
+
+  /// What load() with the same arguments would serve, found by its lookups and choice (the
+  /// same tokens, native_tokens, converted, source, quality, provenance and recompute_tail),
+  /// without converting, copying KV out of the store or writing back: a store lookup per
+  /// candidate (and, across tokenizers, the alignment) instead of a conversion. For callers
+  /// that must know a load's length before they load, as a scheduler that promises tokens
+  /// which a worker then loads. The result holds no KV (copy_to throws InvalidArgument) and
+  /// pins nothing. A load that follows may serve less: entries evicted meanwhile, a conversion
+  /// dropped for a NaN or an infinity, an adapter dropped meanwhile. Counts in
+  /// BridgeStats::probes, not as a load (lookup_seconds, dropped_tokens and the
+  /// adapters_skipped_* counters include its lookups). Throws as the matching load().
+  Load probe(const ModelSpec& spec, TokenSpan tokens, std::string_view ns = "default");
+  Load probe(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
+             const SourceTokenizations& sources, std::string_view ns = "default");
 
   /// Registers the first token of `kv` (a CPU view matching spec with at least one token: a
   /// one-token prefill, or the first token of any prefill of spec's own) as spec's own KV of

@@ -9,14 +9,16 @@ namespace kvbridge {
 
 /// Counters since construction. Times are wall-clock seconds summed over calls.
 /// BridgeStats described once, as kv_store.h's tables: X(type, member, metric, kind, help),
-/// metric names after the kvbridge_bridge_ prefix. adapters_skipped_quality counts, per load,
-/// the adapters to the target under min_quality; adapters_skipped_stale, per load, the adapters
-/// whose target has the load spec's name but another fingerprint (a stale adapter after a model
-/// update: never used, since adapters match by exact fingerprint). converted_tokens includes any
-/// trimmed last token.
+/// metric names after the kvbridge_bridge_ prefix. adapters_skipped_quality counts, per load or
+/// probe, the adapters to the target under min_quality; adapters_skipped_stale, per load or
+/// probe, the adapters whose target has the load spec's name but another fingerprint (a stale
+/// adapter after a model update: never used, since adapters match by exact fingerprint).
+/// converted_tokens includes any trimmed last token.
 #define KVBRIDGE_BRIDGE_STATS(X)                                                                  \
   X(int64_t, saves, "saves_total", counter, "Bridge save calls.")                                \
   X(int64_t, loads, "loads_total", counter, "Bridge load calls.")                                \
+  X(int64_t, probes, "probes_total", counter,                                                    \
+    "Bridge probe calls (a load's length found without converting).")                            \
   X(int64_t, native_hits, "native_hits_total", counter,                                          \
     "Loads served from the target model's own cache only.")                                      \
   X(int64_t, converted_hits, "converted_hits_total", counter,                                    \

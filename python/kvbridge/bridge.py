@@ -323,7 +323,8 @@ class Bridge:
         (include/kvbridge/bridge.h, the load overload with tokenizations) and written back.
 
         Empty and one-token prompts are misses. return_kv=False reports the length only (a
-        conversion, if one is needed, still runs and is written back). device: where the returned
+        conversion, if one is needed, still runs and is written back; probe() finds the length
+        without converting). device: where the returned
         tensors live (default: CPU). as_cache: return the KV as a transformers DynamicCache.
         model: the target model (spec's); with exact_layers > 0, a load holding converted tokens
         (converted now or written back by a conversion) gets its first exact_layers layers from
@@ -349,8 +350,24 @@ class Bridge:
                 kv = tuple((k.to(device), v.to(device)) for k, v in kv)
             if as_cache:
                 kv = legacy_to_cache(kv, spec)
-        return Load(found.tokens, kv, found.source, found.converted, found.native_tokens,
-                    found.quality, found.converted_from, found.adapter, found.recompute_tail)
+        return _load_of(found, kv)
+
+    def probe(self, spec: _core.ModelSpec, tokens: Any, namespace: str = "default") -> Load:
+        """What load(spec, tokens, namespace) would serve, found by its lookups and choice
+        (across tokenizers: the same tokenizations and alignment), without converting, copying
+        KV out of the store or writing back: a Load with kv None and the fields load() would
+        report. For a scheduler that promises a length which a worker then loads; that load may
+        serve less (entries evicted meanwhile, a conversion dropped for a NaN or an infinity, an
+        adapter dropped meanwhile). Counted in stats()["probes"], not as a load. Raises as
+        load()."""
+        ids = as_tokens(tokens)
+        ns = _args.text("namespace", namespace)
+        across = self._across(spec, ids)
+        if across is None:
+            found = self._native.probe(spec, ids, ns)
+        else:
+            found = self._native.probe_across(spec, ids, across[0], across[1], ns)
+        return _load_of(found, None)
 
     def _across(self, spec: _core.ModelSpec, ids: Any):
         """(target tokenization, source tokenizations by tokenizer id) for a load across
@@ -475,6 +492,12 @@ def _fingerprint(adapter: Union[LinearAdapter, str]) -> str:
         return adapter
     raise TypeError("adapter: expected a kvbridge.LinearAdapter or its fingerprint, got "
                     f"{type(adapter).__name__}")
+
+
+def _load_of(found: Any, kv: Any) -> Load:
+    """The Load of a native BridgeLoad `found` (a load's or a probe's), holding `kv`."""
+    return Load(found.tokens, kv, found.source, found.converted, found.native_tokens,
+                found.quality, found.converted_from, found.adapter, found.recompute_tail)
 
 
 def _tokenization(ids, offsets, roles):

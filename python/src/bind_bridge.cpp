@@ -190,6 +190,30 @@ void bind_bridge(py::module_& m) {
           py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("sources"),
           py::arg("namespace"))
       .def(
+          "probe",
+          [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const std::string& ns) {
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
+            py::gil_scoped_release release;
+            return b.probe(spec, span, ns);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
+      .def(
+          "probe_across",
+          [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const py::handle& target,
+             const py::dict& sources, const std::string& ns) {
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
+            const Tokenization target_text = tokenization(target);
+            SourceTokenizations source_texts;
+            for (const auto& [id, text] : sources)
+              source_texts.emplace(id.cast<std::string>(), tokenization(text));
+            py::gil_scoped_release release;
+            return b.probe(spec, span, target_text, source_texts, ns);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("sources"),
+          py::arg("namespace"))
+      .def(
           "add_start",
           [](Bridge& b, const ModelSpec& spec, int64_t token_id,
              const std::vector<TensorView>& keys, const std::vector<TensorView>& values) {

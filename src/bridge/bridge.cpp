@@ -107,6 +107,7 @@ void Load::copy_to(const KVView& dst) const {
   KVB_CHECK(dst.tokens() == tokens_,
             "dst holds " << dst.tokens() << " tokens but the load has " << tokens_);
   if (tokens_ == 0) return;
+  KVB_CHECK(buffer_ || native_, "this Load came from Bridge::probe and holds no KV");
   if (buffer_) {
     copy_kv(buffer_view_, dst);
   } else {
@@ -287,6 +288,15 @@ Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) 
 Load Bridge::load(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
                   const SourceTokenizations& sources, std::string_view ns) {
   return impl_->load(spec, tokens, &target, &sources, ns);
+}
+
+Load Bridge::probe(const ModelSpec& spec, TokenSpan tokens, std::string_view ns) {
+  return impl_->probe(spec, tokens, nullptr, nullptr, ns);
+}
+
+Load Bridge::probe(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
+                   const SourceTokenizations& sources, std::string_view ns) {
+  return impl_->probe(spec, tokens, &target, &sources, ns);
 }
 
 bool Bridge::record_check(const std::string& adapter_fingerprint, const QualityCheck& check) {

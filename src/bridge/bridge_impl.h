@@ -151,10 +151,11 @@ struct Bridge::Impl {
   detail::Usable usable_prefix(const Match& match);
 
   // ---- The steps of a load, in order (src/bridge/load.cpp) ----
-  // Checks the arguments, counts the load and fills `verified` and `limit`.
+  // Checks the arguments, counts the call (a load, or a probe when `probe`) and fills
+  // `verified` and `limit`.
   detail::LoadRequest request(const ModelSpec& spec, TokenSpan tokens,
                               const Tokenization* target, const SourceTokenizations* sources,
-                              std::string_view ns);
+                              std::string_view ns, bool probe);
   // The target's own cached prefix.
   detail::NativePrefix native_prefix(const detail::LoadRequest& req);
   // The adapters that may serve the load (copied out of the registry); counts those skipped.
@@ -171,19 +172,27 @@ struct Bridge::Impl {
   // false when it was (nothing written).
   bool write_back(const detail::LoadRequest& req, const detail::Converted& out,
                   int64_t native_len, const Provenance& provenance);
+  // What a load serving the native prefix, or `best`'s conversion after native_len own tokens,
+  // reports (tokens, source, provenance, tail), without its KV: serve_native, serve_converted
+  // and probe fill their Loads with these.
+  Load described_native(const detail::LoadRequest& req, const detail::NativePrefix& native) const;
+  Load described_converted(const detail::LoadRequest& req, int64_t native_len,
+                           const detail::Candidate& best) const;
   // A load served from the target's own entries only: from the pinned match, or from `buffer`
   // (`view`), which holds at least the first min(native.length, limit) tokens.
   Load serve_native(const detail::LoadRequest& req, detail::NativePrefix& native,
                     std::shared_ptr<void> buffer = nullptr, const KVView& view = KVView());
   // A load holding converted tokens.
   Load serve_converted(const detail::LoadRequest& req, int64_t native_len,
-                       const detail::Candidate& best, detail::Converted out,
-                       const Provenance& provenance);
+                       const detail::Candidate& best, detail::Converted out);
   // Attaches the target's own start-token KV to a load holding KV that is not its own prefill.
   void with_own_start(const detail::LoadRequest& req, Load& load) const;
   // The whole load.
   Load load(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
             const SourceTokenizations* sources, std::string_view ns);
+  // A load's first steps, up to the choice (Bridge::probe).
+  Load probe(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
+             const SourceTokenizations* sources, std::string_view ns);
 };
 
 }  // namespace kvbridge

@@ -1,6 +1,6 @@
 // Bridge::load, step by step (see the load policy in include/kvbridge/bridge.h): check the
 // request, find the target's own prefix, gather and choose a candidate adapter, convert, write
-// back, serve.
+// back, serve. Bridge::probe stops after the choice.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -56,6 +56,11 @@ int64_t converted_end(int64_t source_len, int64_t limit, int64_t tail) {
   return tail == 0 ? source_len : std::min(source_len, limit - tail);
 }
 
+// The tokens a conversion through `best` computes: [0, total), the native prefix included.
+int64_t converted_total(const LoadRequest& req, const Candidate& best) {
+  return best.alignment.empty() ? converted_end(best.cached, req.limit, best.tail) : best.length;
+}
+
 // The longest target prefix an aligned source prefix serves: every token has its aligned
 // source token among the `cached` ones and ends within the text those cover. Cuts `alignment`
 // to it and returns its length (at most `most`).
@@ -80,7 +85,8 @@ int64_t aligned_length(const Tokenization& source, const Tokenization& target, i
 
 LoadRequest Bridge::Impl::request(const ModelSpec& spec, TokenSpan tokens,
                                   const Tokenization* target,
-                                  const SourceTokenizations* sources, std::string_view ns) {
+                                  const SourceTokenizations* sources, std::string_view ns,
+                                  bool probe) {
   spec.validate();
   if (tokens.size > 0) check_tokens(tokens);
   LoadRequest req{spec, tokens, target, sources, ns};
@@ -96,8 +102,12 @@ LoadRequest Bridge::Impl::request(const ModelSpec& spec, TokenSpan tokens,
     for (const auto& [id, source] : *sources)
       check_tokenization(source, ("source tokenization '" + id + "'").c_str());
   }
-  loads.fetch_add(1, std::memory_order_relaxed);
-  if (target) {
+  if (probe) {
+    probes.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    loads.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (target && !probe) {
     cross_tokenizer_loads.fetch_add(1, std::memory_order_relaxed);
     unverified_tokens.fetch_add(static_cast<int64_t>(tokens.size) - req.verified,
                                 std::memory_order_relaxed);
@@ -200,7 +210,7 @@ Converted Bridge::Impl::convert(const LoadRequest& req, NativePrefix& native, Ca
   const int64_t native_len = native.length;
   const bool aligned = !best.alignment.empty();
   Converted out;
-  out.total = aligned ? best.length : converted_end(best.cached, req.limit, best.tail);
+  out.total = converted_total(req, best);
   const int64_t missing = out.total - native_len;
   int64_t lo = native_len, hi = out.total;
   std::vector<int64_t> rows;
@@ -275,13 +285,9 @@ bool Bridge::Impl::write_back(const LoadRequest& req, const Converted& out, int6
   return true;
 }
 
-Load Bridge::Impl::serve_native(const LoadRequest& req, NativePrefix& native,
-                                std::shared_ptr<void> buffer, const KVView& view) {
+Load Bridge::Impl::described_native(const LoadRequest& req, const NativePrefix& native) const {
   Load o;
-  if (native.length == 0) {
-    misses.fetch_add(1, std::memory_order_relaxed);
-    return o;
-  }
+  if (native.length == 0) return o;
   o.tokens_ = std::min(native.length, req.limit);
   o.native_tokens_ = o.tokens_;
   o.source_ = req.spec.name;
@@ -292,6 +298,31 @@ Load Bridge::Impl::serve_native(const LoadRequest& req, NativePrefix& native,
     o.converted_from_ = native.use.origin.source_fingerprint;
     o.adapter_ = native.use.origin.adapter_fingerprint;
     o.recompute_tail_ = native.tail;
+  }
+  return o;
+}
+
+Load Bridge::Impl::described_converted(const LoadRequest& req, int64_t native_len,
+                                       const Candidate& best) const {
+  const LinearAdapter& adapter = *best.registered->adapter;
+  Load o;
+  o.tokens_ = std::min(converted_total(req, best), req.limit);
+  o.native_tokens_ = native_len;
+  o.converted_ = true;
+  o.source_ = adapter.source().name;
+  o.quality_ = best.registered->quality;
+  o.converted_from_ = adapter.source().fingerprint();
+  o.adapter_ = adapter.fingerprint();
+  o.recompute_tail_ = best.tail;
+  return o;
+}
+
+Load Bridge::Impl::serve_native(const LoadRequest& req, NativePrefix& native,
+                                std::shared_ptr<void> buffer, const KVView& view) {
+  Load o = described_native(req, native);
+  if (o.tokens_ == 0) {
+    misses.fetch_add(1, std::memory_order_relaxed);
+    return o;
   }
   if (buffer) {
     o.buffer_view_ = view.slice_tokens(0, o.tokens_);
@@ -305,17 +336,8 @@ Load Bridge::Impl::serve_native(const LoadRequest& req, NativePrefix& native,
 }
 
 Load Bridge::Impl::serve_converted(const LoadRequest& req, int64_t native_len,
-                                   const Candidate& best, Converted out,
-                                   const Provenance& provenance) {
-  Load o;
-  o.tokens_ = std::min(out.total, req.limit);
-  o.native_tokens_ = native_len;
-  o.converted_ = true;
-  o.source_ = best.registered->adapter->source().name;
-  o.quality_ = best.registered->quality;
-  o.converted_from_ = provenance.source_fingerprint;
-  o.adapter_ = provenance.adapter_fingerprint;
-  o.recompute_tail_ = best.tail;
+                                   const Candidate& best, Converted out) {
+  Load o = described_converted(req, native_len, best);
   o.buffer_view_ = out.view.slice_tokens(0, o.tokens_);
   o.buffer_ = std::move(out.buffer);
   converted_hits.fetch_add(1, std::memory_order_relaxed);
@@ -335,7 +357,7 @@ void Bridge::Impl::with_own_start(const LoadRequest& req, Load& load) const {
 
 Load Bridge::Impl::load(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
                         const SourceTokenizations* sources, std::string_view ns) {
-  const LoadRequest req = request(spec, tokens, target, sources, ns);
+  const LoadRequest req = request(spec, tokens, target, sources, ns, /*probe=*/false);
   if (req.limit <= 0) {
     misses.fetch_add(1, std::memory_order_relaxed);
     return Load();
@@ -353,7 +375,7 @@ Load Bridge::Impl::load(const ModelSpec& spec, TokenSpan tokens, const Tokenizat
     const Provenance provenance{adapter.source().fingerprint(), adapter.fingerprint()};
     if (out.finite) at("converted");
     if (out.finite && write_back(req, out, native_len, provenance)) {
-      served = serve_converted(req, native_len, best, std::move(out), provenance);
+      served = serve_converted(req, native_len, best, std::move(out));
     } else {
       served = serve_native(req, native, std::move(out.buffer), out.view);
     }
@@ -361,5 +383,16 @@ Load Bridge::Impl::load(const ModelSpec& spec, TokenSpan tokens, const Tokenizat
   with_own_start(req, served);  // after the write-back, which keeps the conversion's
   return served;
 }
+
+Load Bridge::Impl::probe(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
+                         const SourceTokenizations* sources, std::string_view ns) {
+  const LoadRequest req = request(spec, tokens, target, sources, ns, /*probe=*/true);
+  if (req.limit <= 0) return Load();
+  const NativePrefix native = native_prefix(req);
+  const std::vector<Registered> adapters = candidates(req, native.length < req.limit);
+  const Candidate best = choose(req, native, adapters);  // points into `adapters`
+  return best.registered ? described_converted(req, native.length, best)
+                         : described_native(req, native);
+}  // the matches unpin here: the Load holds no KV
 
 }  // namespace kvbridge

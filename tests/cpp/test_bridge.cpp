@@ -271,6 +271,83 @@ TEST_F(BridgeTest, ConvertedEqualsAdapterConvertAndWritesBack) {
   EXPECT_GT(s.lookup_seconds, 0);
 }
 
+// A probe reports what the load after it serves, field by field.
+void expect_probe_matches(const Load& probe, const Load& load) {
+  EXPECT_EQ(probe.tokens(), load.tokens());
+  EXPECT_EQ(probe.native_tokens(), load.native_tokens());
+  EXPECT_EQ(probe.converted(), load.converted());
+  EXPECT_EQ(probe.source(), load.source());
+  EXPECT_TRUE(probe.quality() == load.quality() ||
+              (std::isnan(probe.quality()) && std::isnan(load.quality())));
+  EXPECT_EQ(probe.converted_from(), load.converted_from());
+  EXPECT_EQ(probe.adapter(), load.adapter());
+  EXPECT_EQ(probe.recompute_tail(), load.recompute_tail());
+}
+
+// probe() finds what load() would serve without converting, copying or writing anything; each
+// probe here is followed by the load it describes.
+TEST_F(BridgeTest, ProbeReportsTheLoadWithoutConverting) {
+  KVStore store(store_options());
+  BridgeOptions options;
+  options.recompute_tail = 5;
+  Bridge bridge(store, options);
+  bridge.add_adapter(*good_);
+  const auto tokens = testing::random_tokens(53, 19);
+  FloatKV src(*src_, 53, 2);
+  src.randomize(23);
+  bridge.save(*src_, tokens, src.view());
+
+  const Load planned = bridge.probe(*tgt_, tokens);
+  EXPECT_TRUE(planned.converted());
+  EXPECT_EQ(planned.tokens(), 47);  // 53 - 1 - the tail of 5
+  EXPECT_EQ(planned.recompute_tail(), 5);
+  std::vector<float> room(static_cast<size_t>(2 * tgt_->num_layers * 47 * tgt_->num_kv_heads *
+                                              tgt_->head_dim));
+  EXPECT_THROW(planned.copy_to(KVView::contiguous(room.data(), DType::kFloat32, {},
+                                                  tgt_->num_layers, 47, tgt_->num_kv_heads,
+                                                  tgt_->head_dim)),
+               InvalidArgument);
+  BridgeStats st = bridge.stats();
+  EXPECT_EQ(st.probes, 1);
+  EXPECT_EQ(st.loads, 0);
+  EXPECT_EQ(st.conversions, 0);
+  EXPECT_EQ(st.converted_hits + st.native_hits + st.misses, 0);
+  EXPECT_EQ(store.match(*tgt_, tokens).tokens(), 0);  // nothing written back
+
+  expect_probe_matches(planned, bridge.load(*tgt_, tokens));
+  // The write-back kept 32 tokens (whole chunks): those are native now, the rest converted again.
+  const Load planned_again = bridge.probe(*tgt_, tokens);
+  EXPECT_EQ(planned_again.native_tokens(), 32);
+  expect_probe_matches(planned_again, bridge.load(*tgt_, tokens));
+  // A prompt nothing was saved for, and a one-token prompt: misses, as loads.
+  const auto other = testing::random_tokens(20, 77);
+  const Load planned_miss = bridge.probe(*tgt_, other);
+  EXPECT_EQ(planned_miss.tokens(), 0);
+  expect_probe_matches(planned_miss, bridge.load(*tgt_, other));
+  const std::vector<int64_t> one{tokens[0]};
+  EXPECT_EQ(bridge.probe(*tgt_, one).tokens(), 0);
+  st = bridge.stats();
+  EXPECT_EQ(st.probes, 4);
+  EXPECT_EQ(st.loads, 3);
+  EXPECT_EQ(st.conversions, 2);
+  // Bad input is refused as load() refuses it.
+  const std::vector<int64_t> bad{1, -2, 3};
+  EXPECT_THROW(bridge.probe(*tgt_, bad), InvalidArgument);
+
+  // Without a tail the whole conversion is written back: then a native hit naming the adapter.
+  KVStore store2(store_options());
+  Bridge bridge2(store2);
+  bridge2.add_adapter(*good_);
+  bridge2.save(*src_, tokens, src.view());
+  const Load planned2 = bridge2.probe(*tgt_, tokens);  // (arguments' order is unspecified)
+  expect_probe_matches(planned2, bridge2.load(*tgt_, tokens));
+  const Load planned_native = bridge2.probe(*tgt_, tokens);
+  EXPECT_FALSE(planned_native.converted());
+  EXPECT_EQ(planned_native.native_tokens(), 48);
+  EXPECT_EQ(planned_native.adapter(), (*good_)->fingerprint());
+  expect_probe_matches(planned_native, bridge2.load(*tgt_, tokens));
+}
+
 TEST_F(BridgeTest, WithoutWriteBackEveryLoadConverts) {
   KVStore store(store_options());
   BridgeOptions options;
@@ -503,7 +580,10 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   const SourceTokenizations sources{{"tok-a", source}};
   // The plain load never uses an adapter across tokenizers.
   EXPECT_FALSE(bridge.load(t, prompt));
+  const Load planned = bridge.probe(t, prompt, target, sources);
+  EXPECT_EQ(bridge.stats().cross_tokenizer_loads, 0);  // a probe is not a load
   const Load hit = bridge.load(t, prompt, target, sources);
+  expect_probe_matches(planned, hit);
   ASSERT_TRUE(hit);
   EXPECT_TRUE(hit.converted());
   EXPECT_EQ(hit.tokens(), 5);
@@ -525,7 +605,9 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   bridge2.add_adapter(adapter);
   std::vector<int64_t> first7(source.ids.begin(), source.ids.begin() + 7);
   bridge2.save(s, first7, src.view().slice_tokens(0, 7));
+  const Load part_planned = bridge2.probe(t, prompt, target, sources);
   const Load part = bridge2.load(t, prompt, target, sources);
+  expect_probe_matches(part_planned, part);
   EXPECT_EQ(part.tokens(), 3);
   // (A 3-token GEMM against the 5-token one: equal up to float32 rounding.)
   EXPECT_LT(max_rel_diff(load_kv(part, t), token_range(want, t, 5, 0, 3)), 1e-6);
@@ -535,11 +617,13 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   bridge3.add_adapter(adapter);
   bridge3.save(s, source.ids, src.view());
   EXPECT_FALSE(bridge3.load(t, prompt, target, SourceTokenizations{}));
+  EXPECT_FALSE(bridge3.probe(t, prompt, target, SourceTokenizations{}));
   EXPECT_FALSE(bridge3.load(t, prompt, target, SourceTokenizations{{"tok-other", source}}));
   // A target tokenization that is not a prefix of the prompt, or malformed, is refused.
   Tokenization wrong = target;
   wrong.ids[2] = 555;
   EXPECT_THROW(bridge3.load(t, prompt, wrong, sources), InvalidArgument);
+  EXPECT_THROW(bridge3.probe(t, prompt, wrong, sources), InvalidArgument);
   wrong = target;
   wrong.spans.pop_back();
   EXPECT_THROW(bridge3.load(t, prompt, wrong, sources), InvalidArgument);

@@ -2,6 +2,8 @@
 byte tokenizer and a small BPE trained in test_align), through an adapter fitted on a planted map
 of aligned samples; round trips, prefixes the source has only partly, prompts whose decode and
 re-encode is not exact, and the refusals."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,7 +51,12 @@ def test_round_trip_across_tokenizers(bpe, planted):  # noqa: F811
     al = kvbridge.align_text(BYTE, bpe, TEXT)
     src, tgt = _planted(weights, len(al.source_ids), al.index, 0, seed=123)
     assert bridge.save(SRC, al.source_ids, src) == len(al.source_ids)
+    planned = bridge.probe(TGT, al.target_ids)  # the load's length, without converting
+    assert planned.kv is None and planned.converted
+    assert (bridge.stats()["probes"], bridge.stats()["conversions"]) == (1, 0)
+    assert bridge.stats()["cross_tokenizer_loads"] == 0
     got = bridge.load(TGT, al.target_ids)
+    assert planned == dataclasses.replace(got, kv=None)  # every field as the load reports it
     n = len(al.target_ids)
     assert got.converted and got.source == "src" and got.tokens == n - 1  # byte source: all seen
     want = adapter.convert(src, alignment=al.index[: n - 1])
@@ -60,7 +67,10 @@ def test_round_trip_across_tokenizers(bpe, planted):  # noqa: F811
     assert (stats["aligned_hits"], stats["converted_hits"], stats["cross_tokenizer_loads"]) == (1, 1, 1)
     assert stats["unverified_tokens"] == 0
     # written back: the next load is the target's own cache
+    planned = bridge.probe(TGT, al.target_ids)
     again = bridge.load(TGT, al.target_ids)
+    assert not planned.converted and planned.tokens == again.tokens
+    assert (planned.native_tokens, planned.adapter) == (again.native_tokens, again.adapter)
     assert not again.converted and again.tokens == n - 1 and again.adapter == adapter.fingerprint
     for (k, v), (k0, v0) in zip(again.kv, got.kv):
         assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -4,9 +4,9 @@
 usable adapter's source model) without converting or writing anything, and promises the longest
 prefix past vLLM's own computed tokens (at most the prompt minus its last token). Adapters the
 Bridge has disabled (its rolling shadow-check agreement fell below min_agreement) are not
-probed, so their loads fall back to the model's own prefill. Across tokenizers the probe runs
-the load itself (``Bridge.load`` without KV: it converts, writes nothing), since the aligned
-length depends on both tokenizations; the worker converts again to fill the blocks.
+probed, so their loads fall back to the model's own prefill. Across tokenizers the aligned
+length depends on both tokenizations: ``Bridge.probe`` finds it as the load would, without
+converting; the worker's load converts to fill the blocks.
 
 ``build_connector_meta`` turns promises into load operations and, once a request's prompt has
 been computed, its whole chunks into a save operation (with the provenance the probe saw behind
@@ -169,10 +169,10 @@ class SchedulerSide:
                 origin = (adapter.source.fingerprint, adapter.fingerprint)
         if any(a.source.tokenizer != self._spec.tokenizer for a in usable):
             # Across tokenizers the aligned length depends on the text's tokenization under
-            # each source tokenizer and on the adapter's alignment: the probe is the Bridge's
-            # own load (it converts; its Bridge writes nothing back).
+            # each source tokenizer and on the adapter's alignment: the Bridge's probe finds it
+            # as its load would, without converting (the worker's load converts).
             try:
-                found = bridge.load(self._spec, tokens, ns, return_kv=False)
+                found = bridge.probe(self._spec, tokens, ns)
                 if found.tokens > best:
                     best = found.tokens
                     origin = (found.converted_from, found.adapter)
