@@ -331,12 +331,7 @@ class Bridge:
         the model's own forward (kvbridge.exact.exact_layers).
         """
         ids = as_tokens(tokens)
-        ns = _args.text("namespace", namespace)
-        across = self._across(spec, ids)
-        if across is None:
-            found = self._native.load(spec, ids, ns)
-        else:
-            found = self._native.load_across(spec, ids, across[0], across[1], ns)
+        found = self._native_call(spec, ids, namespace, probe=False)
         kv = None
         if found.tokens and return_kv:
             kv = empty_kv(spec, found.tokens)
@@ -360,14 +355,16 @@ class Bridge:
         serve less (entries evicted meanwhile, a conversion dropped for a NaN or an infinity, an
         adapter dropped meanwhile). Counted in stats()["probes"], not as a load. Raises as
         load()."""
-        ids = as_tokens(tokens)
+        return _load_of(self._native_call(spec, as_tokens(tokens), namespace, probe=True), None)
+
+    def _native_call(self, spec: _core.ModelSpec, ids: Any, namespace: str, probe: bool) -> Any:
+        """The native load (or probe) of `ids`, across tokenizers where _across says so."""
         ns = _args.text("namespace", namespace)
         across = self._across(spec, ids)
         if across is None:
-            found = self._native.probe(spec, ids, ns)
-        else:
-            found = self._native.probe_across(spec, ids, across[0], across[1], ns)
-        return _load_of(found, None)
+            return (self._native.probe if probe else self._native.load)(spec, ids, ns)
+        call = self._native.probe_across if probe else self._native.load_across
+        return call(spec, ids, across[0], across[1], ns)
 
     def _across(self, spec: _core.ModelSpec, ids: Any):
         """(target tokenization, source tokenizations by tokenizer id) for a load across

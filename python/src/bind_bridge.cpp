@@ -56,6 +56,31 @@ Tokenization tokenization(const py::handle& t) {
   return out;
 }
 
+// load() and probe() take the same arguments: both are bound through these two calls.
+using PlainLoad = Load (Bridge::*)(const ModelSpec&, TokenSpan, std::string_view);
+using AcrossLoad = Load (Bridge::*)(const ModelSpec&, TokenSpan, const Tokenization&,
+                                    const SourceTokenizations&, std::string_view);
+
+Load call_plain(PlainLoad method, Bridge& b, const ModelSpec& spec, const py::handle& tokens,
+                const std::string& ns) {
+  const PyTokens ids(tokens);
+  const TokenSpan span = ids.span();
+  py::gil_scoped_release release;
+  return (b.*method)(spec, span, ns);
+}
+
+Load call_across(AcrossLoad method, Bridge& b, const ModelSpec& spec, const py::handle& tokens,
+                 const py::handle& target, const py::dict& sources, const std::string& ns) {
+  const PyTokens ids(tokens);
+  const TokenSpan span = ids.span();
+  const Tokenization target_text = tokenization(target);
+  SourceTokenizations source_texts;
+  for (const auto& [id, text] : sources)
+    source_texts.emplace(id.cast<std::string>(), tokenization(text));
+  py::gil_scoped_release release;
+  return (b.*method)(spec, span, target_text, source_texts, ns);
+}
+
 }  // namespace
 
 void bind_bridge(py::module_& m) {
@@ -168,48 +193,28 @@ void bind_bridge(py::module_& m) {
       .def(
           "load",
           [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const std::string& ns) {
-            const PyTokens ids(tokens);
-            const TokenSpan span = ids.span();
-            py::gil_scoped_release release;
-            return b.load(spec, span, ns);
+            return call_plain(&Bridge::load, b, spec, tokens, ns);
           },
           py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
       .def(
           "load_across",
           [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const py::handle& target,
              const py::dict& sources, const std::string& ns) {
-            const PyTokens ids(tokens);
-            const TokenSpan span = ids.span();
-            const Tokenization target_text = tokenization(target);
-            SourceTokenizations source_texts;
-            for (const auto& [id, text] : sources)
-              source_texts.emplace(id.cast<std::string>(), tokenization(text));
-            py::gil_scoped_release release;
-            return b.load(spec, span, target_text, source_texts, ns);
+            return call_across(&Bridge::load, b, spec, tokens, target, sources, ns);
           },
           py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("sources"),
           py::arg("namespace"))
       .def(
           "probe",
           [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const std::string& ns) {
-            const PyTokens ids(tokens);
-            const TokenSpan span = ids.span();
-            py::gil_scoped_release release;
-            return b.probe(spec, span, ns);
+            return call_plain(&Bridge::probe, b, spec, tokens, ns);
           },
           py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
       .def(
           "probe_across",
           [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const py::handle& target,
              const py::dict& sources, const std::string& ns) {
-            const PyTokens ids(tokens);
-            const TokenSpan span = ids.span();
-            const Tokenization target_text = tokenization(target);
-            SourceTokenizations source_texts;
-            for (const auto& [id, text] : sources)
-              source_texts.emplace(id.cast<std::string>(), tokenization(text));
-            py::gil_scoped_release release;
-            return b.probe(spec, span, target_text, source_texts, ns);
+            return call_across(&Bridge::probe, b, spec, tokens, target, sources, ns);
           },
           py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("sources"),
           py::arg("namespace"))
