@@ -324,8 +324,8 @@ class Bridge:
 
         Empty and one-token prompts are misses. return_kv=False reports the length only (a
         conversion, if one is needed, still runs and is written back; probe() finds the length
-        without converting). device: where the returned
-        tensors live (default: CPU). as_cache: return the KV as a transformers DynamicCache.
+        without converting). device: where the returned tensors live (default: CPU). as_cache:
+        return the KV as a transformers DynamicCache.
         model: the target model (spec's); with exact_layers > 0, a load holding converted tokens
         (converted now or written back by a conversion) gets its first exact_layers layers from
         the model's own forward (kvbridge.exact.exact_layers).
