@@ -455,6 +455,7 @@ def test_most_across_bounds_what_a_probe_across_tokenizers_finds():
     """The scheduler skips its probe across tokenizers when the prefix it has found already
     reaches scheduler.most_across (n - 1 less the adapter's tail): no load across tokenizers
     serves more, and a wholly cached text reaches it, so the bound is the Bridge's own cap."""
+    from kvbridge import hf
     from kvbridge.experiments import eval_cross
     from kvbridge.vllm import scheduler
 
@@ -469,8 +470,7 @@ def test_most_across_bounds_what_a_probe_across_tokenizers_finds():
         bridge.add_adapter(adapter)
         for text in testbed.texts("heldout")[:6]:
             source_ids = a.tokenizer.encode(text)
-            _, kv = testbed.prefill(a, torch.tensor([source_ids]))
-            bridge.save(a.spec, source_ids, kv)
+            bridge.save(a.spec, source_ids, hf.prefix_kv(a.model, source_ids))
             prompt = c.tokenizer.encode(text)
             found = bridge.probe(c.spec, prompt)
             bound = scheduler.most_across(bridge, [adapter], len(prompt))
