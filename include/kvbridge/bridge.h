@@ -284,6 +284,19 @@ class Bridge {
   Load probe(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
              const SourceTokenizations& sources, std::string_view ns = "default");
 
+  /// The tokenizer ids whose tokenizations a load (or probe) of `tokens` across tokenizers could
+  /// use now, in registration order, each once: those of the usable adapters to `spec` (enabled,
+  /// quality >= min_quality) whose source has another tokenizer id and which could serve more
+  /// than spec's own cached prefix (an aligned candidate serves at most n - 1 less its
+  /// recompute tail, and is chosen only when longer than the own prefix). Empty when there are
+  /// none: then load() without tokenizations serves what the overload with them would, and the
+  /// caller need not tokenize (Python's Bridge.load asks this first, so a prompt whose own
+  /// entries are cached, a repeated one, is not tokenized again). A store lookup of spec's own
+  /// prefix, counted in neither loads nor probes (its time is in lookup_seconds). Empty for
+  /// empty and one-token prompts. Throws InvalidArgument as load().
+  std::vector<std::string> wanted_tokenizers(const ModelSpec& spec, TokenSpan tokens,
+                                             std::string_view ns = "default");
+
   /// Registers the first token of `kv` (a CPU view matching spec with at least one token: a
   /// one-token prefill, or the first token of any prefill of spec's own) as spec's own KV of
   /// `token_id` at position 0, replacing one registered before (see "The start token" above).

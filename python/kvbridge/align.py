@@ -98,9 +98,11 @@ def align(source_offsets: Any, target_offsets: Any, policy: str = DEFAULT_POLICY
 
 
 def _byte_offsets(text: str) -> np.ndarray:
-    """UTF-8 byte offset of every character boundary of text (len(text) + 1 entries)."""
-    lengths = np.fromiter((len(c.encode("utf-8")) for c in text), dtype=np.int64, count=len(text))
-    return np.concatenate([[0], np.cumsum(lengths)])
+    """UTF-8 byte offset of every character boundary of text (len(text) + 1 entries): where
+    each character's first byte is (every byte but continuation bytes 10xxxxxx), and the end."""
+    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    starts = np.flatnonzero((raw & 0xC0) != 0x80)
+    return np.append(starts, raw.size).astype(np.int64)
 
 
 def _post_processor_roles(tokenizer: Any) -> Dict[int, str]:
@@ -119,14 +121,13 @@ def _char_offsets_result(text: str, ids: Sequence[int], offsets: Sequence[Tuple[
                          specials: Dict[int, str]) -> Tuple[List[int], Offsets, Roles]:
     """Character offsets to byte offsets; special tokens get an empty range at their start."""
     at = _byte_offsets(text)
-    out_offsets: Offsets = []
-    roles: Roles = []
-    for i, (s, e) in zip(ids, offsets):
-        role = specials.get(int(i))
-        bs = int(at[s])
-        out_offsets.append((bs, bs) if role is not None else (bs, int(at[e])))
-        roles.append(role)
-    return [int(i) for i in ids], out_offsets, roles
+    ids = [int(i) for i in ids]
+    roles: Roles = [specials.get(i) for i in ids]
+    spans = np.asarray(offsets, dtype=np.int64).reshape(len(ids), 2)
+    starts = at[spans[:, 0]]
+    special = np.fromiter((r is not None for r in roles), dtype=bool, count=len(roles))
+    ends = np.where(special, starts, at[spans[:, 1]])
+    return ids, list(zip(starts.tolist(), ends.tolist())), roles
 
 
 def token_offsets(tokenizer: Any, text: str,

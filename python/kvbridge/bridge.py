@@ -6,7 +6,7 @@ import inspect
 import logging
 import textwrap
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -53,6 +53,15 @@ class Load:
     recompute_tail: int = 0
 
 
+class _Tokenizer(NamedTuple):
+    """A registered tokenizer: its id, the object, and its tokens' decoded texts as loads across
+    tokenizers have needed them (token id -> decode([id]); at most one entry per vocabulary id,
+    so the cache is bounded by the vocabulary)."""
+    id: str
+    tokenizer: Any
+    pieces: Dict[int, str]
+
+
 class Bridge:
     """Saves prompt KV caches and loads the longest usable prefix for a model.
 
@@ -97,7 +106,7 @@ class Bridge:
             raise TypeError(f"store: expected a kvbridge.KVStore, got {type(store).__name__}")
         self._store = store
         self._exact_layers = _args.size("exact_layers", options["exact_layers"])
-        self._tokenizers: Dict[str, Tuple[str, Any]] = {}  # model name -> (tokenizer id, tokenizer)
+        self._tokenizers: Dict[str, _Tokenizer] = {}  # by model name
         self._lock = threading.Lock()
         self._tokenizer_errors = 0  # guarded by _lock
         self._native = _core.Bridge(store._store, **{
@@ -136,10 +145,11 @@ class Bridge:
                 f"{spec.tokenizer!r}")
         with self._lock:
             known = self._tokenizers.get(spec.name)
-            if known is not None and (known[0] != spec.tokenizer or known[1] is not tokenizer):
+            if known is not None and (known.id != spec.tokenizer or known.tokenizer is not tokenizer):
                 raise _core.InvalidArgumentError(
-                    f"add_tokenizer: {spec.name} already has tokenizer {known[0]!r} registered")
-            self._tokenizers[spec.name] = (spec.tokenizer, tokenizer)
+                    f"add_tokenizer: {spec.name} already has tokenizer {known.id!r} registered")
+            if known is None:
+                self._tokenizers[spec.name] = _Tokenizer(spec.tokenizer, tokenizer, {})
 
     def add_adapter(self, adapter: LinearAdapter, replace: bool = False, *,
                     source_model: Any = None, target_model: Any = None,
@@ -166,10 +176,10 @@ class Bridge:
         with self._lock:
             for spec in (adapter.source, adapter.target):
                 known = self._tokenizers.get(spec.name)
-                if known is not None and known[0] != spec.tokenizer:
+                if known is not None and known.id != spec.tokenizer:
                     raise _core.InvalidArgumentError(
                         f"add_adapter: the adapter's {spec.name} has tokenizer id "
-                        f"{spec.tokenizer!r}, but {known[0]!r} is registered for {spec.name}")
+                        f"{spec.tokenizer!r}, but {known.id!r} is registered for {spec.name}")
         if (source_model is None) != (target_model is None):
             raise TypeError("add_adapter: the probe needs both source_model and target_model")
         if source_model is not None:
@@ -360,50 +370,45 @@ class Bridge:
     def _native_call(self, spec: _core.ModelSpec, ids: Any, namespace: str, probe: bool) -> Any:
         """The native load (or probe) of `ids`, across tokenizers where _across says so."""
         ns = _args.text("namespace", namespace)
-        across = self._across(spec, ids)
+        across = self._across(spec, ids, ns)
         if across is None:
             return (self._native.probe if probe else self._native.load)(spec, ids, ns)
         call = self._native.probe_across if probe else self._native.load_across
         return call(spec, ids, across[0], across[1], ns)
 
-    def _across(self, spec: _core.ModelSpec, ids: Any):
+    def _across(self, spec: _core.ModelSpec, ids: Any, ns: str):
         """(target tokenization, source tokenizations by tokenizer id) for a load across
-        tokenizers, or None when `spec` has no registered tokenizer or no adapter to it comes
-        from another one. Everything is tokenized here, before the native load, which calls
-        nothing back: the text under each registered source tokenizer of an adapter to `spec`
-        that the load may use (quality >= min_quality, enabled)."""
+        tokenizers, or None when tokenizing could not make it serve more: `spec` has no
+        registered tokenizer, or no registered tokenizer is among those the native Bridge wants
+        (Bridge::wanted_tokenizers: of usable adapters to `spec` from another tokenizer that could
+        serve more than spec's own cached prefix; none for a prompt whose own entries are
+        cached, as a repeated one). Everything is tokenized here, before the native load, which
+        calls nothing back."""
         with self._lock:
             known = self._tokenizers.get(spec.name)
-            if known is None or known[0] != spec.tokenizer:
+            if known is None or known.id != spec.tokenizer:
                 return None  # the common case: nothing more to look at on this load
-            by_id = {tid: tok for tid, tok in self._tokenizers.values()}
-        across = [a for a in self.adapters() if a.target.fingerprint == spec.fingerprint
-                  and a.source.tokenizer != spec.tokenizer]
-        if not across:
+            by_id = {t.id: t for t in self._tokenizers.values()}
+        wanted = [by_id[t] for t in self._native.wanted_tokenizers(spec, ids, ns) if t in by_id]
+        if not wanted:
             return None
-        tokenizer = known[1]
         prompt = [int(i) for i in ids]
         try:
-            text, target = _verified_prefix(tokenizer, prompt, spec.name)
+            text, target = _verified_prefix(known.tokenizer, prompt, known.pieces, spec.name)
         except Exception as e:  # a broken target tokenizer: serve what needs no tokenizer
-            self._tokenizer_error(spec.tokenizer, tokenizer, e)
+            self._tokenizer_error(spec.tokenizer, known.tokenizer, e)
             return None
         raw = text.encode("utf-8")
-        enabled = {h["adapter"]: h["enabled"] for h in self._native.adapter_health()}
-        wanted = [a.source.tokenizer for a in across
-                  if enabled.get(a.fingerprint) and Bridge.quality(a) >= self.min_quality]
         sources = {}
-        for tokenizer_id in dict.fromkeys(wanted):  # registration order, each id once
-            source = by_id.get(tokenizer_id)
-            if source is None:
-                continue
+        for source in wanted:
             try:
-                sids, offsets, roles = token_offsets(source, text)
+                sids, offsets, roles = token_offsets(source.tokenizer, text)
                 # Only the tokens whose byte ranges hold their own text (see _verified_prefix).
-                k = _spans_hold_their_text(source, sids, offsets, roles, raw, tokenizer_id)
-                sources[tokenizer_id] = _tokenization(sids[:k], offsets[:k], roles[:k])
+                k = _spans_hold_their_text(source.tokenizer, sids, offsets, roles, raw,
+                                           source.pieces, source.id)
+                sources[source.id] = _tokenization(sids[:k], offsets[:k], roles[:k])
             except Exception as e:  # one broken source tokenizer leaves the others usable
-                self._tokenizer_error(tokenizer_id, source, e)
+                self._tokenizer_error(source.id, source.tokenizer, e)
         return target, sources
 
     def _tokenizer_error(self, tokenizer_id: str, tokenizer: Any, error: Exception) -> None:
@@ -516,7 +521,8 @@ def _decode(tokenizer: Any, ids: List[int], name: str = "") -> str:
 
 
 def _spans_hold_their_text(tokenizer: Any, ids: List[int], offsets: List[Tuple[int, int]],
-                           roles: List[Optional[str]], raw: bytes, name: str = "") -> int:
+                           roles: List[Optional[str]], raw: bytes, pieces: Dict[int, str],
+                           name: str = "") -> int:
     """How many leading tokens have byte ranges that hold their own text: for each ordinary
     token, its decoded text alone (decode([id])) must equal the text's bytes in its range (read
     as UTF-8, U+FFFD for partial characters), or that with a leading space (decoders that drop
@@ -524,8 +530,8 @@ def _spans_hold_their_text(tokenizer: Any, ids: List[int], offsets: List[Tuple[i
     a character (a byte-level or byte-fallback token inside a multi-byte character decodes to
     U+FFFD) needs a range holding a non-ASCII character (the whole one, for character-based
     offsets, or U+FFFD for a byte range inside it) and the piece's whole characters. Special tokens (a role)
-    have empty ranges, which align() checks. One decode per distinct id."""
-    pieces: Dict[int, str] = {}
+    have empty ranges, which align() checks. pieces: the tokenizer's decoded tokens so far (the
+    Bridge keeps one per registered tokenizer), extended here: one decode per id not in it."""
     for j, (i, (s, e), role) in enumerate(zip(ids, offsets, roles)):
         if role is not None:
             continue
@@ -574,7 +580,7 @@ def _longest_decoding_prefix(tokenizer: Any, prompt: List[int], v: int, ends: Li
     return good
 
 
-def _verified_prefix(tokenizer: Any, prompt: List[int], name: str = ""):
+def _verified_prefix(tokenizer: Any, prompt: List[int], pieces: Dict[int, str], name: str = ""):
     """The prompt's text and the target tokenization of its verified prefix.
 
     The prompt is decoded to text and encoded again (with the tokenizer's special tokens when
@@ -584,9 +590,9 @@ def _verified_prefix(tokenizer: Any, prompt: List[int], name: str = ""):
     until the text of its tokens (decoded together) is exactly the start of the text up to its
     last token's end (_longest_decoding_prefix): only then do its spans describe the prompt.
     Tokens past it (normalisation, unknown bytes, special tokens inside the text, misaligned
-    offsets) are never served across tokenizers. Cost: about n distinct-id decodes of one token
-    and O(log n) decodes of at most n tokens. Returns (text of the verified prefix,
-    tokenization)."""
+    offsets) are never served across tokenizers. Cost: a decode of one token per distinct id
+    not yet in `pieces` (see _spans_hold_their_text) and O(log n) decodes of at most n tokens.
+    Returns (text of the verified prefix, tokenization)."""
     text = _decode(tokenizer, prompt, name)
     for add_bos in (True, False):
         ids, offsets, roles = token_offsets(tokenizer, text, add_bos=add_bos)
@@ -596,7 +602,7 @@ def _verified_prefix(tokenizer: Any, prompt: List[int], name: str = ""):
         if v > 0 or not add_bos:
             break
     raw = text.encode("utf-8")
-    v = _spans_hold_their_text(tokenizer, ids[:v], offsets[:v], roles[:v], raw, name)
+    v = _spans_hold_their_text(tokenizer, ids[:v], offsets[:v], roles[:v], raw, pieces, name)
     ends: List[int] = []  # ends[u - 1]: where the text of tokens [0, u) ends
     for _, e in offsets[:v]:
         ends.append(max(e, ends[-1]) if ends else e)

@@ -219,6 +219,15 @@ void bind_bridge(py::module_& m) {
           py::arg("spec"), py::arg("tokens"), py::arg("target"), py::arg("sources"),
           py::arg("namespace"))
       .def(
+          "wanted_tokenizers",
+          [](Bridge& b, const ModelSpec& spec, const py::handle& tokens, const std::string& ns) {
+            const PyTokens ids(tokens);
+            const TokenSpan span = ids.span();
+            py::gil_scoped_release release;
+            return b.wanted_tokenizers(spec, span, ns);
+          },
+          py::arg("spec"), py::arg("tokens"), py::arg("namespace"))
+      .def(
           "add_start",
           [](Bridge& b, const ModelSpec& spec, int64_t token_id,
              const std::vector<TensorView>& keys, const std::vector<TensorView>& values) {

@@ -72,7 +72,7 @@ Bridge::Impl::Write::~Write() {
   m_.written.notify_all();
 }
 
-detail::Usable Bridge::Impl::usable_prefix(const Match& match) {
+detail::Usable Bridge::Impl::usable_prefix(const Match& match, bool count) {
   detail::Usable out;
   out.tokens = out.own = match.tokens();
   const int64_t chunks = match.chunks();
@@ -90,7 +90,7 @@ detail::Usable Bridge::Impl::usable_prefix(const Match& match) {
     if (dropped.count(p.adapter_fingerprint)) {
       out.tokens = c * chunk_tokens;
       out.own = std::min(out.own, out.tokens);
-      dropped_tokens.fetch_add(match.tokens() - out.tokens, std::memory_order_relaxed);
+      if (count) dropped_tokens.fetch_add(match.tokens() - out.tokens, std::memory_order_relaxed);
       return out;
     }
     if (!out.origin.converted()) {
@@ -297,6 +297,11 @@ Load Bridge::probe(const ModelSpec& spec, TokenSpan tokens, std::string_view ns)
 Load Bridge::probe(const ModelSpec& spec, TokenSpan tokens, const Tokenization& target,
                    const SourceTokenizations& sources, std::string_view ns) {
   return impl_->probe(spec, tokens, &target, &sources, ns);
+}
+
+std::vector<std::string> Bridge::wanted_tokenizers(const ModelSpec& spec, TokenSpan tokens,
+                                                   std::string_view ns) {
+  return impl_->wanted_tokenizers(spec, tokens, ns);
 }
 
 bool Bridge::record_check(const std::string& adapter_fingerprint, const QualityCheck& check) {

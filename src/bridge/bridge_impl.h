@@ -114,6 +114,12 @@ struct Bridge::Impl {
 
   bool usable(const detail::Registered& r) const { return r.quality >= options.min_quality; }
 
+  // Why a registered adapter cannot serve a load of `spec` (whose fingerprint is target_fp):
+  // kServes when it can. The one filter of candidates() and wanted_tokenizers().
+  enum class Unfit { kServes, kOtherTarget, kStale, kQuality, kDisabled };
+  Unfit unfit(const detail::Registered& r, const ModelSpec& spec,
+              const std::string& target_fp) const;
+
   // Bridge::recompute_tail.
   int64_t tail_of(const LinearAdapter& adapter, int64_t prompt_tokens) const;
   // The tail, for a prompt of prompt_tokens, of entries whose provenance names this adapter
@@ -147,17 +153,19 @@ struct Bridge::Impl {
     bool ok_ = false, counted_ = false;
   };
 
-  // How much of `match` may be served (counts the tokens cut for a dropped adapter).
-  detail::Usable usable_prefix(const Match& match);
+  // How much of `match` may be served (counts the tokens cut for a dropped adapter when
+  // `count`).
+  detail::Usable usable_prefix(const Match& match, bool count = true);
 
   // ---- The steps of a load, in order (src/bridge/load.cpp) ----
-  // Checks the arguments, counts the call (a load, or a probe when `probe`) and fills
-  // `verified` and `limit`.
+  // Checks the arguments and fills `verified` and `limit`.
   detail::LoadRequest request(const ModelSpec& spec, TokenSpan tokens,
                               const Tokenization* target, const SourceTokenizations* sources,
-                              std::string_view ns, bool probe);
-  // The target's own cached prefix.
-  detail::NativePrefix native_prefix(const detail::LoadRequest& req);
+                              std::string_view ns);
+  // Counts the call: a load (across tokenizers, with its unverified tokens), or a probe.
+  void count_call(const detail::LoadRequest& req, bool probe);
+  // The target's own cached prefix (`count`: as usable_prefix).
+  detail::NativePrefix native_prefix(const detail::LoadRequest& req, bool count = true);
   // The adapters that may serve the load (copied out of the registry); counts those skipped.
   std::vector<detail::Registered> candidates(const detail::LoadRequest& req, bool wanted);
   // The longest candidate (ties: higher quality, then earlier registered); none when no
@@ -193,6 +201,9 @@ struct Bridge::Impl {
   // A load's first steps, up to the choice (Bridge::probe).
   Load probe(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
              const SourceTokenizations* sources, std::string_view ns);
+  // Bridge::wanted_tokenizers.
+  std::vector<std::string> wanted_tokenizers(const ModelSpec& spec, TokenSpan tokens,
+                                             std::string_view ns);
 };
 
 }  // namespace kvbridge

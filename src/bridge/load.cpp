@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kvbridge/align.h"
 #include "kvbridge/error.h"
@@ -85,8 +87,7 @@ int64_t aligned_length(const Tokenization& source, const Tokenization& target, i
 
 LoadRequest Bridge::Impl::request(const ModelSpec& spec, TokenSpan tokens,
                                   const Tokenization* target,
-                                  const SourceTokenizations* sources, std::string_view ns,
-                                  bool probe) {
+                                  const SourceTokenizations* sources, std::string_view ns) {
   spec.validate();
   if (tokens.size > 0) check_tokens(tokens);
   LoadRequest req{spec, tokens, target, sources, ns};
@@ -102,26 +103,29 @@ LoadRequest Bridge::Impl::request(const ModelSpec& spec, TokenSpan tokens,
     for (const auto& [id, source] : *sources)
       check_tokenization(source, ("source tokenization '" + id + "'").c_str());
   }
-  if (probe) {
-    probes.fetch_add(1, std::memory_order_relaxed);
-  } else {
-    loads.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (target && !probe) {
-    cross_tokenizer_loads.fetch_add(1, std::memory_order_relaxed);
-    unverified_tokens.fetch_add(static_cast<int64_t>(tokens.size) - req.verified,
-                                std::memory_order_relaxed);
-  }
   req.limit = static_cast<int64_t>(tokens.size) - 1;  // the target computes the last token
   return req;
 }
 
-NativePrefix Bridge::Impl::native_prefix(const LoadRequest& req) {
+void Bridge::Impl::count_call(const LoadRequest& req, bool probe) {
+  if (probe) {
+    probes.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  loads.fetch_add(1, std::memory_order_relaxed);
+  if (req.target) {
+    cross_tokenizer_loads.fetch_add(1, std::memory_order_relaxed);
+    unverified_tokens.fetch_add(static_cast<int64_t>(req.tokens.size) - req.verified,
+                                std::memory_order_relaxed);
+  }
+}
+
+NativePrefix Bridge::Impl::native_prefix(const LoadRequest& req, bool count) {
   NativePrefix native;
   const auto start = Clock::now();
   native.match = store.match(req.spec, req.tokens, req.ns);
   lookup_seconds.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
-  native.use = usable_prefix(native.match);
+  native.use = usable_prefix(native.match, count);
   // Entries a conversion wrote back keep their adapter's tail (the target's own part is not cut).
   native.tail = native.use.origin.converted()
                     ? tail_of(native.use.origin.adapter_fingerprint, req.limit + 1)
@@ -130,6 +134,15 @@ NativePrefix Bridge::Impl::native_prefix(const LoadRequest& req) {
                                              std::max(native.use.own, req.limit - native.tail))
                                   : native.use.tokens;
   return native;
+}
+
+Bridge::Impl::Unfit Bridge::Impl::unfit(const Registered& r, const ModelSpec& spec,
+                                        const std::string& target_fp) const {
+  if (r.target_fp != target_fp)
+    return r.adapter->target().name == spec.name ? Unfit::kStale : Unfit::kOtherTarget;
+  if (!usable(r)) return Unfit::kQuality;
+  if (!r.monitor->enabled()) return Unfit::kDisabled;
+  return Unfit::kServes;
 }
 
 std::vector<Registered> Bridge::Impl::candidates(const LoadRequest& req, bool wanted) {
@@ -141,20 +154,14 @@ std::vector<Registered> Bridge::Impl::candidates(const LoadRequest& req, bool wa
   if (wanted) {
     std::lock_guard<std::mutex> lock(mu);
     for (const Registered& r : registry) {
-      if (r.target_fp != target_fp) {
-        if (r.adapter->target().name == req.spec.name) ++skipped_stale;
-        continue;
-      }
+      const Unfit why = unfit(r, req.spec, target_fp);
+      if (why == Unfit::kStale) ++skipped_stale;
+      if (why == Unfit::kOtherTarget || why == Unfit::kStale) continue;
+      // Adapters across tokenizers only with a target tokenization (not counted as skipped).
       if (r.adapter->source().tokenizer != req.spec.tokenizer && !req.target) continue;
-      if (!usable(r)) {
-        ++skipped_quality;
-        continue;
-      }
-      if (!r.monitor->enabled()) {
-        ++skipped_disabled;
-        continue;
-      }
-      out.push_back(r);
+      if (why == Unfit::kQuality) ++skipped_quality;
+      if (why == Unfit::kDisabled) ++skipped_disabled;
+      if (why == Unfit::kServes) out.push_back(r);
     }
   }
   adapters_skipped_quality.fetch_add(skipped_quality, std::memory_order_relaxed);
@@ -357,7 +364,8 @@ void Bridge::Impl::with_own_start(const LoadRequest& req, Load& load) const {
 
 Load Bridge::Impl::load(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
                         const SourceTokenizations* sources, std::string_view ns) {
-  const LoadRequest req = request(spec, tokens, target, sources, ns, /*probe=*/false);
+  const LoadRequest req = request(spec, tokens, target, sources, ns);
+  count_call(req, /*probe=*/false);
   if (req.limit <= 0) {
     misses.fetch_add(1, std::memory_order_relaxed);
     return Load();
@@ -386,7 +394,8 @@ Load Bridge::Impl::load(const ModelSpec& spec, TokenSpan tokens, const Tokenizat
 
 Load Bridge::Impl::probe(const ModelSpec& spec, TokenSpan tokens, const Tokenization* target,
                          const SourceTokenizations* sources, std::string_view ns) {
-  const LoadRequest req = request(spec, tokens, target, sources, ns, /*probe=*/true);
+  const LoadRequest req = request(spec, tokens, target, sources, ns);
+  count_call(req, /*probe=*/true);
   if (req.limit <= 0) return Load();
   const NativePrefix native = native_prefix(req);
   const std::vector<Registered> adapters = candidates(req, native.length < req.limit);
@@ -394,5 +403,30 @@ Load Bridge::Impl::probe(const ModelSpec& spec, TokenSpan tokens, const Tokeniza
   return best.registered ? described_converted(req, native.length, best)
                          : described_native(req, native);
 }  // the matches unpin here: the Load holds no KV
+
+std::vector<std::string> Bridge::Impl::wanted_tokenizers(const ModelSpec& spec,
+                                                         TokenSpan tokens, std::string_view ns) {
+  const LoadRequest req = request(spec, tokens, nullptr, nullptr, ns);  // not counted
+  std::vector<std::pair<std::string, int64_t>> across;  // (source tokenizer, most it serves)
+  if (req.limit > 0) {
+    const std::string target_fp = spec.fingerprint();
+    std::lock_guard<std::mutex> lock(mu);
+    for (const Registered& r : registry) {
+      if (r.adapter->source().tokenizer == spec.tokenizer) continue;
+      if (unfit(r, spec, target_fp) != Unfit::kServes) continue;
+      const int64_t tail = tail_of(*r.adapter, req.limit + 1);
+      across.emplace_back(r.adapter->source().tokenizer, tail == 0 ? req.limit
+                                                                   : req.limit - tail);
+    }
+  }
+  std::vector<std::string> out;
+  if (across.empty()) return out;
+  // As choose(): an aligned candidate must be longer than the own prefix.
+  const int64_t own = std::min(native_prefix(req, /*count=*/false).length, req.limit);
+  for (const auto& [tokenizer, most] : across)
+    if (most > own && std::find(out.begin(), out.end(), tokenizer) == out.end())
+      out.push_back(tokenizer);
+  return out;
+}
 
 }  // namespace kvbridge

@@ -580,6 +580,9 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   const SourceTokenizations sources{{"tok-a", source}};
   // The plain load never uses an adapter across tokenizers.
   EXPECT_FALSE(bridge.load(t, prompt));
+  // Nothing of t's own is cached: the source's tokenization is wanted.
+  using Ids = std::vector<std::string>;
+  EXPECT_EQ(bridge.wanted_tokenizers(t, prompt), Ids{"tok-a"});
   const Load planned = bridge.probe(t, prompt, target, sources);
   EXPECT_EQ(bridge.stats().cross_tokenizer_loads, 0);  // a probe is not a load
   const Load hit = bridge.load(t, prompt, target, sources);
@@ -597,6 +600,15 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   EXPECT_EQ(st.cross_tokenizer_loads, 1);
   EXPECT_EQ(st.unverified_tokens, 1);
   EXPECT_EQ(st.written_back_tokens, 5);
+  // The written-back prefix covers all an aligned candidate could serve (n - 1, tail 0): no
+  // tokenization is wanted, and the plain load serves what the one across tokenizers does.
+  EXPECT_EQ(bridge.wanted_tokenizers(t, prompt), Ids{});
+  EXPECT_EQ(bridge.load(t, prompt).tokens(), bridge.load(t, prompt, target, sources).tokens());
+  // Not counted as a load or a probe; short prompts want nothing; bad ids are refused.
+  EXPECT_EQ(bridge.wanted_tokenizers(t, std::vector<int64_t>{7}), Ids{});
+  EXPECT_THROW(bridge.wanted_tokenizers(t, std::vector<int64_t>{7, -1}), InvalidArgument);
+  EXPECT_EQ(bridge.stats().loads, st.loads + 2);
+  EXPECT_EQ(bridge.stats().probes, st.probes);
 
   // Only the source's first 7 tokens cached (BOS and 6 bytes): the target prefix whose text lies
   // inside them is BOS and the first two 3-byte tokens.
@@ -611,6 +623,24 @@ TEST_F(BridgeTest, AcrossTokenizersWithTheCallersTokenizations) {
   EXPECT_EQ(part.tokens(), 3);
   // (A 3-token GEMM against the 5-token one: equal up to float32 rounding.)
   EXPECT_LT(max_rel_diff(load_kv(part, t), token_range(want, t, 5, 0, 3)), 1e-6);
+  // 3 of 5 written back: an aligned candidate could still serve more.
+  EXPECT_EQ(bridge2.wanted_tokenizers(t, prompt), Ids{"tok-a"});
+  // Disabled, the adapter serves nothing, and no tokenization is wanted for it.
+  ASSERT_TRUE(bridge2.disable_adapter(adapter->fingerprint()));
+  EXPECT_EQ(bridge2.wanted_tokenizers(t, prompt), Ids{});
+  // With a recompute tail of 3 an aligned candidate serves at most 5 - 3 = 2 tokens: wanted
+  // while the own prefix is shorter, not once it is as long.
+  BridgeOptions tailed = bo;
+  tailed.recompute_tail = 3;
+  KVStore store4(o);
+  Bridge bridge4(store4, tailed);
+  bridge4.add_adapter(adapter);
+  EXPECT_EQ(bridge4.wanted_tokenizers(t, prompt), Ids{"tok-a"});
+  FloatKV own(t, 2, 3);
+  own.randomize(11);
+  ASSERT_EQ(bridge4.save(t, std::vector<int64_t>(prompt.begin(), prompt.begin() + 2), own.view()),
+            2);
+  EXPECT_EQ(bridge4.wanted_tokenizers(t, prompt), Ids{});
   // A caller without the source's tokenizer: a miss.
   KVStore store3(o);
   Bridge bridge3(store3, bo);

@@ -115,6 +115,22 @@ def test_byte_tokenizer_offsets():
     assert ids == [] and offsets == [] and roles == []
 
 
+def test_byte_offsets_of_characters_of_every_utf8_length():
+    """The vectorized character-to-byte table against each character's own encoding, on seeded
+    random text of 1- to 4-byte characters (and the empty and all-ASCII cases)."""
+    import sys
+
+    byte_offsets = sys.modules["kvbridge.align"]._byte_offsets
+    rng = random.Random(7)
+    ranges = [(0x20, 0x7E), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFF), (0x10000, 0x10FFFF)]
+    texts = ["", "plain ascii", "".join(chr(rng.randint(*rng.choice(ranges))) for _ in range(4099))]
+    for text in texts:
+        want = [0]
+        for c in text:
+            want.append(want[-1] + len(c.encode("utf-8")))
+        got = byte_offsets(text)
+        assert got.dtype == np.int64 and got.tolist() == want
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_bpe_offsets_are_bytes(bpe, text):
     ids, offsets, roles = kvbridge.token_offsets(bpe, text)

@@ -76,6 +76,64 @@ def test_round_trip_across_tokenizers(bpe, planted):  # noqa: F811
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
+@pytest.mark.parametrize("tail", [0, 3])
+def test_a_prompt_whose_own_entries_cover_it_is_not_tokenized(bpe, planted, monkeypatch, tail):  # noqa: F811
+    """Once a load has written its conversion back (n - 1 less the tail), no adapter across
+    tokenizers can serve more: the next loads and probes ask no tokenizer anything
+    (Bridge::wanted_tokenizers) and serve the same. Without a write-back every load tokenizes,
+    but each tokenizer decodes a token id alone once (the Bridge keeps the pieces)."""
+    from kvbridge import bridge as bridge_mod
+
+    weights, adapter = planted
+    calls = {"offsets": 0, "multi": 0}
+    singles = []  # (tokenizer, id) of every one-token decode
+    token_offsets, decode = bridge_mod.token_offsets, bridge_mod._decode
+
+    def counted_offsets(tokenizer, text, *args, **kwargs):
+        calls["offsets"] += 1
+        return token_offsets(tokenizer, text, *args, **kwargs)
+
+    def counted_decode(tokenizer, ids, name=""):
+        if len(ids) == 1:
+            singles.append((id(tokenizer), ids[0]))
+        else:
+            calls["multi"] += 1
+        return decode(tokenizer, ids, name)
+
+    monkeypatch.setattr(bridge_mod, "token_offsets", counted_offsets)
+    monkeypatch.setattr(bridge_mod, "_decode", counted_decode)
+    al = kvbridge.align_text(BYTE, bpe, TEXT)
+    n = len(al.target_ids)
+    src, _ = _planted(weights, len(al.source_ids), al.index, 0, seed=5)
+    for write_back in (True, False):
+        bridge = kvbridge.Bridge(kvbridge.KVStore(64 << 20, chunk_tokens=1),
+                                 write_back=write_back, recompute_tail=tail)
+        bridge.add_tokenizer(SRC, BYTE)
+        bridge.add_tokenizer(TGT, bpe)
+        bridge.add_adapter(adapter)
+        bridge.save(SRC, al.source_ids, src)
+        first = bridge.load(TGT, al.target_ids)
+        assert first.converted and first.tokens == n - 1 - tail
+        assert calls["offsets"] == 2 and calls["multi"] > 0  # the target's text and the source's
+        assert len(singles) == len(set(singles)) > 0
+        for _ in range(2):
+            calls.update(offsets=0, multi=0)
+            del singles[:]
+            again, planned = bridge.load(TGT, al.target_ids), bridge.probe(TGT, al.target_ids)
+            assert again.tokens == planned.tokens == n - 1 - tail
+            assert again.converted == planned.converted == (not write_back)
+            if write_back:  # the own entries cover all an aligned candidate could serve
+                assert calls == {"offsets": 0, "multi": 0} and not singles
+                assert bridge.stats()["cross_tokenizer_loads"] == 1
+                for (k, v), (k0, v0) in zip(again.kv, first.kv):
+                    assert torch.equal(k, k0) and torch.equal(v, v0)
+            else:  # tokenized again (load and probe), no token decoded alone again
+                assert calls["offsets"] == 4 and not singles
+                assert bridge.stats()["cross_tokenizer_loads"] == 2 + _
+        calls.update(offsets=0, multi=0)
+        del singles[:]
+
+
 def test_partial_source_prefix_serves_the_text_inside_it(bpe, planted):  # noqa: F811
     weights, adapter = planted
     bridge = make_bridge(bpe, adapter)

@@ -247,7 +247,7 @@ def test_verified_prefix_is_linear_at_32k_tokens(suffix):
     n = 32768
     prompt = _prompt(n)
     tok = CountingTokenizer(suffix, budget=40 * n)
-    text, (ids, starts, ends, roles) = bridge_mod._verified_prefix(tok, prompt)
+    text, (ids, starts, ends, roles) = bridge_mod._verified_prefix(tok, prompt, {})
     # Multi-token decodes: the prompt once, then O(log n) prefixes (the old search: up to n).
     assert tok.multi <= 2 * math.ceil(math.log2(n)) + 4
     assert tok.ids <= 40 * n
@@ -267,7 +267,7 @@ def test_verified_prefix_equals_the_linear_search_where_the_property_is_monotone
                 return super().decode(ids) + ("?" if len(ids) > p else "")
 
         tok = Garbling()
-        _, (ids, _, _, _) = bridge_mod._verified_prefix(tok, prompt)
+        _, (ids, _, _, _) = bridge_mod._verified_prefix(tok, prompt, {})
         assert len(ids) == min(p, len(prompt))
         assert tok.multi <= 2 * math.ceil(math.log2(3000)) + 4
 
@@ -320,12 +320,12 @@ def test_spans_check_accepts_partial_characters_and_refuses_shifts(bpe):  # noqa
     raw = text.encode()
     for tok in (bpe, BYTE):
         ids, offsets, roles = kvbridge.token_offsets(tok, text)
-        assert bridge_mod._spans_hold_their_text(tok, ids, offsets, roles, raw) == len(ids)
+        assert bridge_mod._spans_hold_their_text(tok, ids, offsets, roles, raw, {}) == len(ids)
         shifted = Shifted(tok, by=1).encode_with_offsets(text)[1]
         first = next(j for j, r in enumerate(roles) if r is None)
         # Pieces of one character are checked loosely (any range holding a non-ASCII
         # character), so a shift may pass those; the first whole character stops it.
-        assert bridge_mod._spans_hold_their_text(tok, ids, shifted, roles, raw) <= first + 2
+        assert bridge_mod._spans_hold_their_text(tok, ids, shifted, roles, raw, {}) <= first + 2
 
 
 # ----- misbehaving tokenizers ---------------------------------------------------------------

@@ -449,33 +449,3 @@ def test_key_norm_and_cross_tokenizer_adapters_load_on_the_host():
     bridge.add_adapter(adapter("kn-plain"))
     bridge.add_adapter(with_codes)
     assert device_load.loads_on_host(bridge, tgt)
-
-
-def test_most_across_bounds_what_a_probe_across_tokenizers_finds():
-    """The scheduler skips its probe across tokenizers when the prefix it has found already
-    reaches scheduler.most_across (n - 1 less the adapter's tail): no load across tokenizers
-    serves more, and a wholly cached text reaches it, so the bound is the Bridge's own cap."""
-    from kvbridge import hf
-    from kvbridge.experiments import eval_cross
-    from kvbridge.vllm import scheduler
-
-    a, c = testbed.load_model("testbed-a"), testbed.load_model("testbed-c")
-    adapter = kvbridge.LinearAdapter.load(eval_cross.DEFAULT_CROSS_ADAPTER)
-    reached = 0
-    for tail in (0, 7):
-        bridge = kvbridge.Bridge(kvbridge.KVStore(1 << 26, chunk_tokens=4), min_quality=-1e9,
-                                 recompute_tail=tail)
-        bridge.add_tokenizer(a.spec, a.tokenizer)
-        bridge.add_tokenizer(c.spec, c.tokenizer)
-        bridge.add_adapter(adapter)
-        for text in testbed.texts("heldout")[:6]:
-            source_ids = a.tokenizer.encode(text)
-            bridge.save(a.spec, source_ids, hf.prefix_kv(a.model, source_ids))
-            prompt = c.tokenizer.encode(text)
-            found = bridge.probe(c.spec, prompt)
-            bound = scheduler.most_across(bridge, [adapter], len(prompt))
-            assert bound == len(prompt) - 1 - tail
-            assert found.converted and 0 < found.tokens <= bound, (found.tokens, bound)
-            reached += found.tokens == bound
-    assert reached > 0
-    assert scheduler.most_across(bridge, [], 10) == 0

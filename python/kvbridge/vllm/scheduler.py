@@ -33,8 +33,6 @@ from kvbridge.vllm.options import ConnectorOptions
 from kvbridge.vllm.registry import Shared
 
 if TYPE_CHECKING:
-    from kvbridge.adapter import LinearAdapter
-    from kvbridge.bridge import Bridge
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -77,15 +75,6 @@ def shadow_params(request: Any) -> Tuple[str, Optional[str], int]:
                                    f"{shadow!r}: expected role 'own', or role 'converted' "
                                    "with a namespace and positions >= 1")
     return role, ns, positions
-
-
-def most_across(bridge: Bridge, adapters: List[LinearAdapter], prompt_tokens: int) -> int:
-    """The most tokens a load of a prompt of `prompt_tokens` tokens can take from any of
-    `adapters` across tokenizers: n - 1 less each adapter's tail (Bridge.recompute_tail_for),
-    as the Bridge's choice caps an aligned candidate (include/kvbridge/bridge.h). A probe
-    across tokenizers can only promise more than a prefix found already when it is below this."""
-    limit = prompt_tokens - 1
-    return max((limit - bridge.recompute_tail_for(a, prompt_tokens) for a in adapters), default=0)
 
 
 class SchedulerSide:
@@ -179,11 +168,11 @@ class SchedulerSide:
                 best = length
                 origin = (adapter.source.fingerprint, adapter.fingerprint)
         across = [a for a in usable if a.source.tokenizer != self._spec.tokenizer]
-        if across and best < most_across(bridge, across, len(tokens)):
+        if across:
             # Across tokenizers the aligned length depends on the text's tokenization under
             # each source tokenizer and on the adapter's alignment: the Bridge's probe finds it
-            # as its load would, without converting (the worker's load converts). Skipped when
-            # no such adapter could beat what is found already (a repeated prompt's own entries).
+            # as its load would, without converting (the worker's load converts). It tokenizes
+            # nothing when no such adapter could beat the own entries (a repeated prompt).
             try:
                 found = bridge.probe(self._spec, tokens, ns)
                 if found.tokens > best:
