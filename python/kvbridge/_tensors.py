@@ -67,6 +67,13 @@ def is_cache_object(kv: Any) -> bool:
     return not isinstance(kv, (tuple, list, torch.Tensor)) and hasattr(kv, "layers")
 
 
+def output_cache(out: Any) -> Any:
+    """The cache of a model's forward output with use_cache=True: ``out.cache`` in the
+    transformers this package installs, ``out.past_key_values`` in older ones (the one vLLM pins)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 def cache_layers(cache: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """The (keys, values) of each layer of a transformers Cache (e.g. DynamicCache), by duck
     typing so that transformers stays an optional import.

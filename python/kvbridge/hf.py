@@ -27,7 +27,7 @@ import torch
 
 from kvbridge import _args, _core
 from kvbridge._core import InvalidArgumentError
-from kvbridge._tensors import KVCache, cache_layers, check_kv, is_cache_object
+from kvbridge._tensors import KVCache, cache_layers, check_kv, is_cache_object, output_cache
 
 
 def is_cache(obj: Any) -> bool:
@@ -124,7 +124,7 @@ def forward(model: Any, ids: Sequence[int], past: Optional[KVCache] = None,
     x = torch.as_tensor(list(ids), dtype=torch.long).view(1, -1)
     past_kw = {_cache_keyword(model): as_cache(past)}
     out = model(x, use_cache=True, logits_to_keep=logits_to_keep, **past_kw)
-    cache = getattr(out, "cache", None) or out.past_key_values
+    cache = output_cache(out)
     return out.logits[0].float(), tuple((layer.keys, layer.values) for layer in cache.layers)
 
 
@@ -164,7 +164,7 @@ def own_first_layers(model: Any, tokens: Sequence[int], layers: int) -> KVCache:
 
     out = head(input_ids=ids.to(next(base.parameters()).device), cache=DynamicCache(),
                use_cache=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
+    cache = output_cache(out)
     return tuple((key, value) for key, value in cache_layers(cache))[:k]
 
 

@@ -190,3 +190,17 @@ def test_converted_cache_drives_target_generate(pair):
     print(f"converted-cache agreement {agreement:.3f}, loss {conv_loss:.3f} nats/token")
     assert agreement >= 0.5, agreement
     assert conv_loss < 0.75 * torch.log(torch.tensor(float(tok.vocab_size))).item(), conv_loss
+
+
+def test_output_cache_reads_either_name():
+    """transformers names the forward output's cache `cache` (the version installed here) or
+    `past_key_values` (older ones, such as vLLM's pin); an empty cache is still the cache."""
+    from types import SimpleNamespace
+
+    from kvbridge._tensors import output_cache
+
+    new, old, empty = object(), object(), []
+    assert output_cache(SimpleNamespace(cache=new, past_key_values=None)) is new
+    assert output_cache(SimpleNamespace(past_key_values=old)) is old
+    assert output_cache(SimpleNamespace(cache=None, past_key_values=old)) is old
+    assert output_cache(SimpleNamespace(cache=empty, past_key_values=old)) is empty

@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kvbridge import _core, specs
-from kvbridge._tensors import cache_layers
+from kvbridge._tensors import cache_layers, output_cache
 from kvbridge._core import InvalidArgumentError
 
 MODELS_DIR = pathlib.Path(__file__).resolve().parent / "models"
@@ -380,7 +380,7 @@ def prefill(model: Union[TestbedModel, Any],
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise InvalidArgumentError("prefill: input_ids must be a [batch, tokens] LongTensor")
     out = hf_model(input_ids, use_cache=True)
-    return out.logits, tuple(cache_layers(out.cache))
+    return out.logits, tuple(cache_layers(output_cache(out)))
 
 
 @torch.no_grad()
