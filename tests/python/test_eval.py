@@ -51,6 +51,29 @@ def test_sums_pool_tokens_not_windows():
     assert s.metrics()["agreement"] == pytest.approx(1 / 4)  # zeros argmax 0 != 1
 
 
+def test_a_reference_scores_as_the_full_add():
+    """Sums.add_scored against a window's Reference pools what Sums.add of the same logits does
+    (seeded random logits, several variants per window, odd sizes); a converted variant of
+    another shape is refused."""
+    g = torch.Generator().manual_seed(3)
+    by_add, by_reference = [common.Sums() for _ in range(3)], [common.Sums() for _ in range(3)]
+    for c, vocab in ((5, 11), (1, 11), (7, 11)):
+        none = torch.randn(c, vocab, generator=g)
+        targets = torch.randint(vocab, (c,), generator=g)
+        # The prompt helps: the own logits favour the targets (kept is finite).
+        own = none + 3 * torch.nn.functional.one_hot(targets, vocab)
+        reference = common.Reference.of(own, none, targets)
+        for a, r in zip(by_add, by_reference):
+            conv = own + torch.randn(c, vocab, generator=g)
+            a.add(own, conv, none, targets)
+            r.add_scored(reference, conv)
+    for a, r in zip(by_add, by_reference):
+        assert a.metrics() == r.metrics() and 0 < a.agree < a.tokens
+        assert math.isfinite(a.metrics()["kept"])
+    with pytest.raises(ValueError, match="do not match"):
+        by_reference[0].add_scored(reference, torch.randn(7, 12, generator=g))
+
+
 def test_kept_edges():
     assert common.kept(3.0, 3.0, 2.0) == 0.0
     assert common.kept(3.0, 2.0, 2.0) == 1.0

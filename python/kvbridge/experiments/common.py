@@ -53,18 +53,20 @@ class Sums:
     def add(self, logits_own: torch.Tensor, logits_conv: torch.Tensor,
             logits_none: torch.Tensor, targets: torch.Tensor) -> None:
         """Adds one window: logits [C, vocab] of each setting, targets [C] token ids."""
-        if not (logits_own.shape == logits_conv.shape == logits_none.shape
-                and logits_own.shape[0] == targets.shape[0]):
-            raise InvalidArgumentError("logits and targets disagree in shape: "
-                                       f"{tuple(logits_own.shape)}, {tuple(logits_conv.shape)}, "
-                                       f"{tuple(logits_none.shape)}, {tuple(targets.shape)}")
-        ce = torch.nn.functional.cross_entropy
-        t = targets.long()
-        self.tokens += int(t.numel())
-        self.loss_own += float(ce(logits_own.double(), t, reduction="sum"))
-        self.loss_conv += float(ce(logits_conv.double(), t, reduction="sum"))
-        self.loss_none += float(ce(logits_none.double(), t, reduction="sum"))
-        self.agree += int((logits_own.argmax(-1) == logits_conv.argmax(-1)).sum())
+        self.add_scored(Reference.of(logits_own, logits_none, targets), logits_conv)
+
+    def add_scored(self, reference: "Reference", logits_conv: torch.Tensor) -> None:
+        """Adds one window scored against its Reference (built once per window for all the
+        variants that window is scored with): logits_conv [C, vocab]."""
+        if tuple(logits_conv.shape) != (reference.tokens, reference.vocab):
+            raise InvalidArgumentError(
+                f"converted logits {tuple(logits_conv.shape)} do not match the reference's "
+                f"{reference.tokens} targets and vocabulary of {reference.vocab}")
+        self.tokens += reference.tokens
+        self.loss_own += reference.loss_own
+        self.loss_conv += _summed_loss(logits_conv, reference.targets)
+        self.loss_none += reference.loss_none
+        self.agree += int((reference.own_top == logits_conv.argmax(-1)).sum())
 
     def metrics(self) -> Dict[str, float]:
         if self.tokens == 0:
@@ -74,6 +76,40 @@ class Sums:
         return {"kept": kept(l_none, l_conv, l_own), "agreement": self.agree / self.tokens,
                 "loss_own": l_own, "loss_conv": l_conv, "loss_none": l_none,
                 "tokens": self.tokens}
+
+
+def _summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    return float(torch.nn.functional.cross_entropy(logits.double(), targets, reduction="sum"))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The part of a window's statistics that the converted variant does not change: the
+    continuation's targets [C] (int64), the own and no-prompt losses summed over them and the own
+    top-1 tokens [C]. Computed once per window: its logits are C x vocab each."""
+
+    targets: torch.Tensor
+    own_top: torch.Tensor
+    loss_own: float
+    loss_none: float
+    vocab: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.targets.numel())
+
+    @classmethod
+    def of(cls, logits_own: torch.Tensor, logits_none: torch.Tensor,
+           targets: torch.Tensor) -> "Reference":
+        """From logits [C, vocab] of the own and no-prompt settings and targets [C] token ids."""
+        if not (logits_own.dim() == 2 and logits_own.shape == logits_none.shape
+                and logits_own.shape[0] == targets.shape[0] and targets.dim() == 1):
+            raise InvalidArgumentError("logits and targets disagree in shape: "
+                                       f"{tuple(logits_own.shape)}, {tuple(logits_none.shape)}, "
+                                       f"{tuple(targets.shape)}")
+        t = targets.long()
+        return cls(t, logits_own.argmax(-1), _summed_loss(logits_own, t),
+                   _summed_loss(logits_none, t), int(logits_own.shape[1]))
 
 
 def kept(loss_none: float, loss_conv: float, loss_own: float) -> float:

@@ -96,7 +96,7 @@ def score(pair: real_eval.Pair, adapter: kvbridge.LinearAdapter, texts: Sequence
                     (k[:, :, :keep], vv[:, :, :keep]) for k, vv in cached)
                 logits, _ = hf.forward(tgt_m.model, ids[keep:-1], part,
                                        logits_to_keep=len(w.targets))
-                sums[(v, r)].add(w.logits_own, logits, w.logits_none, w.targets)
+                sums[(v, r)].add_scored(w.reference, logits)
         for r, keep in keeps.items():
             computed[r] += p - keep
         agree_none += int((w.logits_own.argmax(-1) == w.logits_none.argmax(-1)).sum())

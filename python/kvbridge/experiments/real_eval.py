@@ -67,9 +67,9 @@ from kvbridge import models
 from kvbridge._tensors import KVCache
 from kvbridge.adapter import choose_serving
 from kvbridge.experiments import corpus, eval_cross
-from kvbridge.experiments.common import (Sums, alternate_timings, finite_or_null, int_at_least,
-                                         layer_r2, next_token, progress_items, save_adapter,
-                                         set_threads)
+from kvbridge.experiments.common import (Reference, Sums, alternate_timings, finite_or_null,
+                                         int_at_least, layer_r2, next_token, progress_items,
+                                         save_adapter, set_threads)
 from kvbridge import hf
 from kvbridge.hf import forward, prefix_kv
 
@@ -211,6 +211,7 @@ class HeldOutWindow:
     logits_none: torch.Tensor
     cached: eval_cross.Encoded
     src: eval_cross.Encoded
+    reference: Reference  # of logits_own, logits_none and targets, for Sums.add_scored
 
 
 def heldout_windows(pair: Pair, texts: Sequence[str], share: float,
@@ -224,7 +225,8 @@ def heldout_windows(pair: Pair, texts: Sequence[str], share: float,
         targets, logits_own, logits_none, cached = eval_cross.references(tgt_m.model, split,
                                                                          tgt_m.bos_id)
         yield HeldOutWindow(split.target.ids, split.p, targets, logits_own, logits_none, cached,
-                            encode(pair.source, split.prefix_text))
+                            encode(pair.source, split.prefix_text),
+                            Reference.of(logits_own, logits_none, targets))
 
 
 def converted(adapter: kvbridge.LinearAdapter, window: HeldOutWindow, src_kv: KVCache,
@@ -262,7 +264,7 @@ def score(pair: Pair, adapter: kvbridge.LinearAdapter, texts: Sequence[str], sha
             # Logits of the continuation only: the tail's would be computed and dropped.
             logits_conv, _ = forward(tgt_m.model, ids[keep:-1], part,
                                      logits_to_keep=len(w.targets))
-            sums[r].add(w.logits_own, logits_conv, w.logits_none, w.targets)
+            sums[r].add_scored(w.reference, logits_conv)
         windows += 1
         prefix_tokens += p - 1
     if not windows:

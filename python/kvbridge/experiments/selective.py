@@ -147,8 +147,7 @@ def score(pair: real_eval.Pair, adapters: Dict[str, kvbridge.LinearAdapter], tex
                     run = chosen + list(range(keep_end, len(ids) - 1))
                     logits = forward_at(tgt_m.model, [ids[i] for i in run], run,
                                         _take(conv, kept_pos), kept_pos)
-                    sums[(rule, r)].add(w.logits_own, logits[-len(w.targets):], w.logits_none,
-                                        w.targets)
+                    sums[(rule, r)].add_scored(w.reference, logits[-len(w.targets):])
                     computed[(rule, r)] += len(chosen) + 1
         windows += 1
         prompt_tokens += p
