@@ -42,8 +42,8 @@ namespace kvbridge {
   X(int64_t, quality_disables, "quality_disables_total", counter,                                \
     "Adapters disabled by the agreement floor.")                                                 \
   X(int64_t, cross_tokenizer_loads, "cross_tokenizer_loads_total", counter,                      \
-    "Load calls given a target tokenization (across tokenizers; Python's Bridge gives one "        \
-    "only where wanted_tokenizers names a tokenizer it has).")                                     \
+    "Load calls given a target tokenization (across tokenizers; Python's Bridge gives one "      \
+    "only where wanted_tokenizers names a tokenizer it has).")                                   \
   X(int64_t, unverified_tokens, "unverified_tokens_total", counter,                              \
     "Prompt tokens past the verified prefix of a load across tokenizers (never served).")        \
   X(int64_t, aligned_hits, "aligned_hits_total", counter,                                        \

@@ -58,6 +58,10 @@ int64_t converted_end(int64_t source_len, int64_t limit, int64_t tail) {
   return tail == 0 ? source_len : std::min(source_len, limit - tail);
 }
 
+// The most target tokens an aligned candidate (across tokenizers) serves: all the load may hold
+// less the tail, or all with a tail of 0.
+int64_t most_aligned(int64_t limit, int64_t tail) { return tail == 0 ? limit : limit - tail; }
+
 // The tokens a conversion through `best` computes: [0, total), the native prefix included.
 int64_t converted_total(const LoadRequest& req, const Candidate& best) {
   return best.alignment.empty() ? converted_end(best.cached, req.limit, best.tail) : best.length;
@@ -197,7 +201,7 @@ Candidate Bridge::Impl::choose(const LoadRequest& req, const NativePrefix& nativ
       c.alignment = align(text.spans, req.target->spans,
                           parse_align_policy(r.adapter->report().alignment_policy), text.roles,
                           req.target->roles);
-      const int64_t most = std::min(req.verified, c.tail == 0 ? limit : limit - c.tail);
+      const int64_t most = std::min(req.verified, most_aligned(limit, c.tail));
       c.length = aligned_length(text, *req.target, c.cached, most, c.alignment);
     }
     if (c.length <= std::min(native.length, limit)) continue;
@@ -414,9 +418,8 @@ std::vector<std::string> Bridge::Impl::wanted_tokenizers(const ModelSpec& spec,
     for (const Registered& r : registry) {
       if (r.adapter->source().tokenizer == spec.tokenizer) continue;
       if (unfit(r, spec, target_fp) != Unfit::kServes) continue;
-      const int64_t tail = tail_of(*r.adapter, req.limit + 1);
-      across.emplace_back(r.adapter->source().tokenizer, tail == 0 ? req.limit
-                                                                   : req.limit - tail);
+      across.emplace_back(r.adapter->source().tokenizer,
+                          most_aligned(req.limit, tail_of(*r.adapter, req.limit + 1)));
     }
   }
   std::vector<std::string> out;
