@@ -145,7 +145,8 @@ class Bridge:
                 f"{spec.tokenizer!r}")
         with self._lock:
             known = self._tokenizers.get(spec.name)
-            if known is not None and (known.id != spec.tokenizer or known.tokenizer is not tokenizer):
+            if known is not None and (known.id != spec.tokenizer
+                                      or known.tokenizer is not tokenizer):
                 raise _core.InvalidArgumentError(
                     f"add_tokenizer: {spec.name} already has tokenizer {known.id!r} registered")
             if known is None:
@@ -319,18 +320,20 @@ class Bridge:
              model: Any = None) -> Load:
         """The longest usable prefix of `tokens` for `spec` (see the class docstring).
 
-        Across tokenizers (spec has a tokenizer registered and an adapter to it comes from
-        another tokenizer): the prompt is decoded and encoded again; only the prefix whose round
-        trip reproduces its ids and text, and whose tokens' byte ranges each hold that token's
-        own decoded text, is served that way (the rest counts in stats()["unverified_tokens"];
-        see _verified_prefix). A tokenizer that raises or misbehaves (decode returning something
-        other than a str) is logged (logger kvbridge.bridge), counted in
-        stats()["tokenizer_errors"] and left out: the load goes on without it (the model's own
-        cache and same-tokenizer adapters still serve it). That text is tokenized with each source's registered
-        tokenizer (here, before the native load, which then runs without the GIL and calls
-        nothing back), the source's cached prefix is found, and the longest target prefix whose
-        tokens all have an aligned source token in it and whose text it covers is converted
-        (include/kvbridge/bridge.h, the load overload with tokenizations) and written back.
+        Across tokenizers (spec has a tokenizer registered and an adapter to it from another
+        tokenizer could serve more than spec's own cached prefix: Bridge::wanted_tokenizers, so a
+        repeated prompt whose own entries are cached is not tokenized again): the prompt is decoded
+        and encoded again; only the prefix whose round trip reproduces its ids and text, and whose
+        tokens' byte ranges each hold that token's own decoded text, is served that way (the rest
+        counts in stats()["unverified_tokens"]; see _verified_prefix). A tokenizer that raises or
+        misbehaves (decode returning something other than a str) is logged (logger kvbridge.bridge),
+        counted in stats()["tokenizer_errors"] and left out: the load goes on without it (the
+        model's own cache and same-tokenizer adapters still serve it). That text is tokenized with
+        each source's registered tokenizer (here, before the native load, which then runs without
+        the GIL and calls nothing back), the source's cached prefix is found, and the longest target
+        prefix whose tokens all have an aligned source token in it and whose text it covers is
+        converted (include/kvbridge/bridge.h, the load overload with tokenizations) and written
+        back.
 
         Empty and one-token prompts are misses. return_kv=False reports the length only (a
         conversion, if one is needed, still runs and is written back; probe() finds the length
