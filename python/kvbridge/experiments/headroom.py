@@ -99,7 +99,7 @@ def score(pair: real_eval.Pair, adapter: kvbridge.LinearAdapter, texts: Sequence
                 sums[(v, r)].add_scored(w.reference, logits)
         for r, keep in keeps.items():
             computed[r] += p - keep
-        agree_none += int((w.logits_own.argmax(-1) == w.logits_none.argmax(-1)).sum())
+        agree_none += int((w.reference.own_top == w.logits_none.argmax(-1)).sum())
         continuation += int(w.targets.numel())
         windows += 1
         prompt_tokens += p

@@ -167,8 +167,7 @@ class SchedulerSide:
             if length > best:
                 best = length
                 origin = (adapter.source.fingerprint, adapter.fingerprint)
-        across = [a for a in usable if a.source.tokenizer != self._spec.tokenizer]
-        if across:
+        if any(a.source.tokenizer != self._spec.tokenizer for a in usable):
             # Across tokenizers the aligned length depends on the text's tokenization under
             # each source tokenizer and on the adapter's alignment: the Bridge's probe finds it
             # as its load would, without converting (the worker's load converts). It tokenizes
